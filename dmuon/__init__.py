@@ -1,0 +1,35 @@
+"""dmuon: Muon at scale on FSDP2 by giving every weight matrix one owner rank.
+
+``import dmuon`` patches FSDP2 so ``fully_shard`` skips the parameters ``dedicate_params`` selects.
+"""
+
+from __future__ import annotations
+
+from . import diagnostics
+from ._patch import install_patch, is_patch_installed, uninstall_patch
+from .api import broadcast_all_updates, get_dedicated_params, get_owned_params, wait_all_reduces
+from .dedicate import dedicate_params
+from .group import GroupState
+from .newton_schulz import newton_schulz
+from .optim import Muon
+from .partition import OwnerPlan
+
+__all__ = [
+    "Muon",
+    "OwnerPlan",
+    "GroupState",
+    "broadcast_all_updates",
+    "dedicate_params",
+    "diagnostics",
+    "get_dedicated_params",
+    "get_owned_params",
+    "install_patch",
+    "is_patch_installed",
+    "newton_schulz",
+    "uninstall_patch",
+    "wait_all_reduces",
+]
+
+__version__ = "0.1.0"
+
+install_patch()

@@ -1,0 +1,240 @@
+"""Per-model runtime state and the module / tensor hooks that drive the boundary groups.
+
+Lifecycle of one step (1-D mesh), as driven from here:
+
+1. pre-forward of a boundary: (re)bind parameters if ``to_empty`` replaced them, then broadcast each
+   owner bucket and wait (``BoundaryGroup.ensure_unsharded``).
+2. post-forward: with grad enabled, register a pre-backward hook on the outputs and, under Z3, free the
+   non-owner copies; without grad (eval, ``torch.no_grad``), free them since no backward will come.
+3. pre-backward (hook on the outputs' gradients): broadcast again if the copies were freed.
+4. post-accumulate-grad of each dedicated param: hand the local gradient to the group; once all are in,
+   reduce each bucket to its owner and free non-owner weights.
+5. end of backward (an autograd-engine callback): reduce whatever unused parameters left pending, free
+   leftover copies, average gradients of plain replicated parameters.
+
+[Note: activation checkpointing]
+Non-reentrant checkpointing re-runs forward hooks inside backward. There we only make sure weights are
+present and never free them or register more backward hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from . import _collectives as C
+from ._patch import is_dedicated
+from .diagnostics import CommCounter, CommKind
+from .group import BoundaryGroup, DedicatedParam, GroupState
+from .partition import OwnerPlan
+
+__all__ = ["DMuonState", "get_state", "STATE_ATTR"]
+
+STATE_ATTR = "_dmuon_state"
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class DMuonState:
+    """Everything ``dedicate_params`` built for one model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ctx: C.CommContext,
+        plan: OwnerPlan,
+        groups: list[tuple[nn.Module, BoundaryGroup]],
+        reshard_after_forward: bool,
+    ):
+        self.model = model
+        self.ctx = ctx
+        self.plan = plan
+        self.modules_and_groups = groups
+        self.groups = [g for _, g in groups]
+        self.reshard_after_forward = reshard_after_forward
+        self.counter: CommCounter = ctx.counter
+        #: False inside ``dmuon.no_sync``: gradients stay local and accumulate.
+        self.sync_grads = True
+        #: Bumped whenever parameter objects are rebound (``to_empty``); optimizers check it.
+        self.generation = 0
+        self._callback_queued = False
+        self._handles: list[RemovableHandle] = []
+
+    # ------------------------------------------------------------------ #
+    # Introspection                                                        #
+    # ------------------------------------------------------------------ #
+    def dedicated(self) -> Iterator[DedicatedParam]:
+        for g in self.groups:
+            yield from g.params
+
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    # ------------------------------------------------------------------ #
+    # Binding                                                              #
+    # ------------------------------------------------------------------ #
+    def bind_if_needed(self, *, allow_meta: bool = False) -> None:
+        """(Re)bind groups whose parameter objects changed. Raises if still on the meta device."""
+        rebound = False
+        for g in self.groups:
+            if not g.needs_bind():
+                continue
+            if g.is_meta():
+                if allow_meta:
+                    continue
+                raise RuntimeError(
+                    f"dmuon: dedicated params of {g.fqn!r} are still on the meta device; materialise the model "
+                    "(e.g. model.to_empty(device=...) and weight init) before running it or building dmuon.Muon."
+                )
+            g.bind(self._register_param_hooks)
+            rebound = True
+        if rebound:
+            self.generation += 1
+
+    def _register_param_hooks(self, dp: DedicatedParam) -> None:
+        p = dp.param
+        assert p is not None
+        group = self._group_of[dp]
+        dp.handles.append(p.register_hook(lambda grad, dp=dp: self._on_grad(dp)))
+        dp.handles.append(p.register_post_accumulate_grad_hook(lambda param, dp=dp, g=group: self._on_accumulated(dp, g)))
+
+    def install_hooks(self) -> None:
+        self._group_of = {dp: g for g in self.groups for dp in g.params}
+        for module, g in self.modules_and_groups:
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g), prepend=True))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
+
+    # ------------------------------------------------------------------ #
+    # Hooks                                                                #
+    # ------------------------------------------------------------------ #
+    def _pre_forward(self, g: BoundaryGroup) -> None:
+        self.bind_if_needed()
+        if _in_backward():  # activation-checkpoint recomputation
+            g.ensure_unsharded(CommKind.BACKWARD_BROADCAST)
+            return
+        g.ensure_unsharded(CommKind.FORWARD_BROADCAST)
+
+    def _post_forward(self, g: BoundaryGroup, output: Any) -> Any:
+        if _in_backward():
+            return output
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            g.backward_pending = True
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, g=g: self._pre_backward(g), mode="any")
+            if self.reshard_after_forward:
+                g.reshard()
+        elif not g.backward_pending:
+            g.reshard()
+        return output
+
+    def _pre_backward(self, g: BoundaryGroup) -> None:
+        self._queue_end_of_backward()
+        g.ensure_unsharded(CommKind.BACKWARD_BROADCAST)
+
+    def _on_grad(self, dp: DedicatedParam) -> None:
+        """Before autograd accumulates into ``.grad``: set aside a gradient that was already reduced."""
+        self._queue_end_of_backward()
+        p = dp.param
+        assert p is not None
+        if dp.grad_is_reduced:
+            if p.grad is not None:
+                dp.stashed_grad = p.grad
+                p.grad = None
+            dp.grad_is_reduced = False
+
+    def _on_accumulated(self, dp: DedicatedParam, g: BoundaryGroup) -> None:
+        if not self.sync_grads:
+            return
+        p = dp.param
+        assert p is not None
+        dp.local_grad = p.grad
+        p.grad = None
+        if g.all_grads_ready():
+            g.reduce_grads()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for g in self.groups:
+            if self.sync_grads and any(dp.local_grad is not None for dp in g.params):
+                g.reduce_grads()
+            elif g.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
+                g.backward_pending = False
+                g.reshard()
+        if self.sync_grads:
+            self.all_reduce_replicated_grads()
+
+    # ------------------------------------------------------------------ #
+    # Drains                                                               #
+    # ------------------------------------------------------------------ #
+    def wait_all_reduces(self) -> None:
+        for g in self.groups:
+            if self.sync_grads and any(dp.local_grad is not None for dp in g.params):
+                g.reduce_grads()
+            g.finish_reduce()
+
+    def reshard_all(self) -> None:
+        """Drop every non-owner copy so the next forward broadcasts the freshly updated weights."""
+        for g in self.groups:
+            g.finish_reduce()
+            g.backward_pending = False
+            g.reshard()
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Average gradients of trainable params that neither dmuon nor FSDP2 manages (a model, or part of
+        one, without ``fully_shard``), like DDP would. One coalesced all-reduce; a trailing flag per param
+        records whether any rank had a gradient, so params nobody touched keep ``grad=None``."""
+        params = [
+            p
+            for p in self.model.parameters()
+            if p.requires_grad and not is_dedicated(p) and not isinstance(p, DTensor)
+        ]
+        if not params or self.ctx.world_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, ps in by_dtype.items():
+            parts = [
+                (p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=p.device))
+                for p in ps
+            ]
+            flags = torch.tensor([p.grad is not None for p in ps], dtype=dtype, device=parts[0].device)
+            flat = torch.cat(parts + [flags]).to(self.ctx.device)
+            C.wait(C.all_reduce_avg(self.ctx, flat, CommKind.REPLICATED_GRAD_ALL_REDUCE, "replicated grads"))
+            total = sum(p.numel() for p in ps)
+            had_grad = (flat[total:] > 0).tolist()  # one host sync for all flags of this dtype
+            off = 0
+            for p, any_grad in zip(ps, had_grad):
+                n = p.numel()
+                if any_grad:
+                    g = flat[off : off + n].view_as(p).to(p.device)
+                    if p.grad is not None:
+                        p.grad.copy_(g)
+                    else:
+                        p.grad = g.clone()
+                off += n
+
+
+def get_state(model: nn.Module) -> DMuonState:
+    """The state ``dedicate_params`` attached to ``model``; a clear error if there is none."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(
+            f"dmuon: {type(model).__name__} has no dedicated params; call dmuon.dedicate_params(model, mesh, ...) "
+            "on the root model before fully_shard."
+        )
+    return state

@@ -1,0 +1,74 @@
+"""Explicit drains and introspection for a model prepared by :func:`dmuon.dedicate_params`.
+
+``Muon.step()`` calls the drains for you; call them yourself only when you read gradients or weights
+outside the usual ``backward(); step()`` rhythm.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ._state import get_state
+
+__all__ = ["wait_all_reduces", "broadcast_all_updates", "get_dedicated_params", "get_owned_params"]
+
+
+def wait_all_reduces(model: nn.Module) -> None:
+    """Finish every pending gradient reduce: afterwards each owner's dedicated ``param.grad`` holds the
+    gradient averaged over all ranks (non-owners hold none).
+
+    Example::
+
+        loss.backward()
+        dmuon.wait_all_reduces(model)
+        owned_grads = {n: p.grad for n, p in dmuon.get_owned_params(model).items()}
+    """
+    get_state(model).wait_all_reduces()
+
+
+def broadcast_all_updates(model: nn.Module) -> None:
+    """Make the owners' current weights the ones every rank will compute with.
+
+    On a 1-D mesh weights travel lazily: this drops every non-owner copy, so the next forward of each
+    boundary broadcasts the owners' up-to-date tensors. Call it after changing owned weights by hand
+    (``Muon.step()`` already does).
+
+    Example::
+
+        with torch.no_grad():
+            for p in dmuon.get_owned_params(model).values():
+                p.mul_(0.5)
+        dmuon.broadcast_all_updates(model)
+    """
+    get_state(model).reshard_all()
+
+
+def get_dedicated_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """All dedicated params by FQN, in plan order. On non-owners these are 0-byte placeholders between
+    steps: check :func:`get_owned_params` before reading values.
+
+    Example::
+
+        for fqn, p in dmuon.get_dedicated_params(model).items():
+            print(fqn, tuple(p.shape), p._dedicated_owner_rank)
+    """
+    state = get_state(model)
+    state.bind_if_needed(allow_meta=True)
+    return {dp.fqn: dp.current() for dp in state.dedicated()}
+
+
+def get_owned_params(model: nn.Module, rank: int | None = None) -> dict[str, nn.Parameter]:
+    """Dedicated params owned by mesh rank ``rank`` (default: this process), by FQN.
+
+    Example::
+
+        mine = dmuon.get_owned_params(model)            # what this rank runs Newton–Schulz for
+        theirs = dmuon.get_owned_params(model, rank=1)  # placeholders here unless rank 1 is us
+    """
+    state = get_state(model)
+    if rank is None:
+        rank = state.rank()
+    if not isinstance(rank, int) or not 0 <= rank < state.ctx.world_size:
+        raise ValueError(f"dmuon.get_owned_params: rank must be in [0, {state.ctx.world_size}), got {rank!r}")
+    state.bind_if_needed(allow_meta=True)
+    return {dp.fqn: dp.current() for dp in state.dedicated() if dp.owner == rank}

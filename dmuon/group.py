@@ -1,0 +1,282 @@
+"""One lifecycle object per hook boundary: the dedicated weights a module (e.g. ``layers.3``) needs.
+
+A :class:`BoundaryGroup` keeps, per owner rank and dtype, one flat *bucket* buffer. Every dedicated
+parameter of the bucket is an ``nn.Parameter`` whose ``.data`` is a view into that buffer, so one
+broadcast fills all of them and freeing the buffer's storage frees all of them, while the parameter
+objects (and autograd's saved views of them) stay the same.
+
+[Note: why the storage is resized instead of swapping ``.data``]
+Autograd saves views of a weight for backward. Swapping ``p.data`` would leave the old buffer alive
+through those views; resizing the shared storage to 0 bytes really frees it, and resizing it back and
+broadcasting into it refills exactly what the saved views read.
+
+[Note: gradients]
+The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
+the module ran twice or under activation checkpointing). When every parameter of the group has one, the
+gradients of each bucket are concatenated and reduced (average) to the bucket's owner; everybody drops
+the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
+without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
+reduce, so it is never averaged twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from . import _collectives as C
+from ._patch import DEDICATED_ATTR
+from .diagnostics import CommKind
+
+__all__ = ["GroupState", "DedicatedParam", "Bucket", "BoundaryGroup"]
+
+
+class GroupState(enum.Enum):
+    """Which memory is live for the group's dedicated weights."""
+
+    #: Owners hold their tensors; every other rank holds 0 bytes for them. Resting state between steps.
+    SHARDED = "sharded"
+    #: Broadcasts are in flight into freshly allocated buffers; reading the weights is not yet allowed.
+    UNSHARDING = "unsharding"
+    #: Every rank holds the full weights (during forward; kept until backward under Z2).
+    UNSHARDED = "unsharded"
+    #: Gradient reduces are in flight; non-owners already dropped weights and gradients.
+    REDUCING = "reducing"
+
+
+def _raise_internal(ctx: C.CommContext, msg: str) -> None:
+    raise AssertionError(f"dmuon internal error on rank {ctx.rank}: {msg}")
+
+
+@dataclass(eq=False)
+class DedicatedParam:
+    """Per-matrix record. The parameter is re-resolved by module and name, never held by identity only,
+    because ``module.to_empty()`` (meta-device init) replaces ``Parameter`` objects."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    owner: int
+    shape: torch.Size
+    #: The parameter object currently bound to a bucket (``None`` until the first bind).
+    param: nn.Parameter | None = None
+    #: Local gradient handed over by the post-accumulate hook, waiting for the group's reduce.
+    local_grad: torch.Tensor | None = None
+    #: Owner only: an already-reduced gradient set aside while autograd accumulates a fresh one.
+    stashed_grad: torch.Tensor | None = None
+    #: Whether ``param.grad`` on this rank holds a reduced (global) gradient.
+    grad_is_reduced: bool = False
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def current(self) -> nn.Parameter:
+        return self.module._parameters[self.name]  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The dedicated params of one boundary that share an owner and a dtype: one collective each way."""
+
+    owner: int
+    params: list[DedicatedParam]
+    offsets: list[int]
+    numel: int
+    #: Flat buffer the params view into; its storage is 0 bytes on non-owners while sharded.
+    flat: torch.Tensor | None = None
+    #: In-flight gradient reduce: the buffer and the params it covers (their order in the buffer).
+    pending_reduce: tuple[C.PendingComm, list[DedicatedParam]] | None = None
+
+    def nbytes(self) -> int:
+        assert self.flat is not None
+        return self.numel * self.flat.element_size()
+
+
+class BoundaryGroup:
+    """Runtime of one hook boundary. State changes only through the guarded methods below."""
+
+    # Static #
+    fqn: str  # the boundary module's name ("" for the root)
+    buckets: list[Bucket]
+    params: list[DedicatedParam]
+    # Runtime #
+    state: GroupState
+    #: Grad-enabled forwards whose backward has not finished yet; weights must stay reachable.
+    backward_pending: bool
+
+    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, reshard_after_forward: bool):
+        self.fqn = fqn
+        self.params = list(params)
+        self.ctx = ctx
+        self.reshard_after_forward = reshard_after_forward
+        by_owner: dict[int, list[DedicatedParam]] = {}
+        for dp in self.params:
+            by_owner.setdefault(dp.owner, []).append(dp)
+        self.buckets = []
+        for owner in sorted(by_owner):
+            dps = by_owner[owner]
+            offsets, total = [], 0
+            for dp in dps:
+                offsets.append(total)
+                total += dp.shape.numel()
+            self.buckets.append(Bucket(owner, dps, offsets, total))
+        self.state = GroupState.SHARDED
+        self.backward_pending = False
+        self._bound = False
+        self._pending_unshard: list[C.PendingComm] = []
+
+    # ------------------------------------------------------------------ #
+    # Binding (parameters <-> bucket buffers)                              #
+    # ------------------------------------------------------------------ #
+    def needs_bind(self) -> bool:
+        return not self._bound or any(dp.current() is not dp.param for dp in self.params)
+
+    def is_meta(self) -> bool:
+        return any(dp.current().is_meta for dp in self.params)
+
+    def bind(self, register_hooks: "callable") -> None:  # type: ignore[valid-type]
+        """Point every parameter at its bucket buffer; owners copy their values in, others free theirs.
+
+        Called at ``dedicate_params`` time and again whenever the parameter objects were replaced
+        (``to_empty`` after meta-device init). Issues no collective.
+        """
+        if self.state is not GroupState.SHARDED and self._bound:
+            _raise_internal(self.ctx, f"rebinding {self.fqn!r} in state {self.state}")
+        with torch.no_grad():
+            for b in self.buckets:
+                dtype = b.params[0].current().dtype
+                flat = torch.empty(b.numel, dtype=dtype, device=self.ctx.device)
+                for dp, off in zip(b.params, b.offsets):
+                    p = dp.current()
+                    if p.dtype != dtype:
+                        raise ValueError(
+                            f"dmuon: dedicated params owned by one rank in boundary {self.fqn!r} must share a "
+                            f"dtype; {dp.fqn} is {p.dtype}, expected {dtype}."
+                        )
+                    view = flat[off : off + dp.shape.numel()].view(dp.shape)
+                    if b.owner == self.ctx.rank:
+                        view.copy_(p.detach())
+                    for h in dp.handles:
+                        h.remove()
+                    dp.handles.clear()
+                    p.data = view
+                    setattr(p, DEDICATED_ATTR, dp.owner)
+                    dp.param = p
+                    dp.local_grad = dp.stashed_grad = None
+                    dp.grad_is_reduced = False
+                    register_hooks(dp)
+                if b.owner != self.ctx.rank:
+                    flat.untyped_storage().resize_(0)
+                b.flat = flat
+        self.state = GroupState.SHARDED
+        self._bound = True
+
+    # ------------------------------------------------------------------ #
+    # Unshard / reshard                                                    #
+    # ------------------------------------------------------------------ #
+    def unshard(self, kind: CommKind) -> None:
+        """Allocate non-owner buffers and start one broadcast per bucket (SHARDED -> UNSHARDING)."""
+        if self.state is GroupState.REDUCING:
+            self.finish_reduce()
+        if self.state is not GroupState.SHARDED:
+            return
+        for b in self.buckets:
+            assert b.flat is not None
+            if b.owner != self.ctx.rank:
+                b.flat.untyped_storage().resize_(b.nbytes())
+            self._pending_unshard.append(C.broadcast(self.ctx, b.flat, b.owner, kind, self.fqn))
+        self.state = GroupState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """UNSHARDING -> UNSHARDED."""
+        if self.state is not GroupState.UNSHARDING:
+            return
+        for pending in self._pending_unshard:
+            C.wait(pending)
+        self._pending_unshard.clear()
+        self.state = GroupState.UNSHARDED
+
+    def ensure_unsharded(self, kind: CommKind) -> None:
+        self.unshard(kind)
+        self.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """Free non-owner weight storage (UNSHARDED -> SHARDED); owners keep theirs."""
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is not GroupState.UNSHARDED:
+            return
+        for b in self.buckets:
+            if b.owner != self.ctx.rank:
+                assert b.flat is not None
+                b.flat.untyped_storage().resize_(0)
+        self.state = GroupState.SHARDED
+
+    # ------------------------------------------------------------------ #
+    # Gradients                                                            #
+    # ------------------------------------------------------------------ #
+    def all_grads_ready(self) -> bool:
+        return all(dp.local_grad is not None for dp in self.params)
+
+    def reduce_grads(self) -> None:
+        """Start one reduce per bucket for the gradients handed over so far; drop local copies.
+
+        Params without a local gradient (unused in this backward) are left out; parameter usage must be
+        the same on every rank, as for FSDP2's reduce-scatter.
+        """
+        if self.state is GroupState.REDUCING:
+            self.finish_reduce()
+        for b in self.buckets:
+            ready = [dp for dp in b.params if dp.local_grad is not None]
+            if not ready:
+                continue
+            assert b.flat is not None
+            grads = [dp.local_grad.reshape(-1).to(b.flat.dtype) for dp in ready]  # type: ignore[union-attr]
+            flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+            for dp in ready:
+                dp.local_grad = None
+            b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.owner, CommKind.REDUCE, self.fqn), ready)
+        self.backward_pending = False
+        self.reshard()
+        self.state = GroupState.REDUCING
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduces; the owner's params get the averaged gradient (REDUCING -> SHARDED)."""
+        if self.state is not GroupState.REDUCING:
+            return
+        for b in self.buckets:
+            if b.pending_reduce is None:
+                continue
+            pending, ready = b.pending_reduce
+            b.pending_reduce = None
+            flat_grad = C.wait(pending)
+            if b.owner != self.ctx.rank:
+                continue
+            off = 0
+            for dp in ready:
+                n = dp.shape.numel()
+                assert dp.param is not None
+                g = flat_grad[off : off + n].view(dp.shape).to(dp.param.dtype)
+                off += n
+                if dp.stashed_grad is not None:
+                    g = dp.stashed_grad.add_(g)
+                    dp.stashed_grad = None
+                dp.param.grad = g
+                dp.grad_is_reduced = True
+        self.state = GroupState.SHARDED
+
+    # ------------------------------------------------------------------ #
+    # Introspection                                                        #
+    # ------------------------------------------------------------------ #
+    def holds_weight_storage(self) -> bool:
+        """Whether this rank currently holds storage for any weight it does not own."""
+        return any(
+            b.owner != self.ctx.rank and b.flat is not None and b.flat.untyped_storage().nbytes() > 0
+            for b in self.buckets
+        )
+
+    def __repr__(self) -> str:
+        return f"BoundaryGroup({self.fqn!r}, params={len(self.params)}, buckets={len(self.buckets)}, state={self.state.value})"

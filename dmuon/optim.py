@@ -1,0 +1,262 @@
+"""``dmuon.Muon``: Muon on each dedicated matrix's owner, AdamW for every other trainable parameter.
+
+One ``torch.optim.Optimizer`` with real param groups (so ``torch.optim.lr_scheduler`` and HF schedulers
+scale both), built from the model rather than a parameter list:
+
+* group 0, ``kind="muon"``: the dedicated params this rank owns (possibly none);
+* group 1, ``kind="adamw"``: FSDP2 DTensor shards;
+* group 2, ``kind="adamw_replicated"``: plain params nobody shards (kept apart from DTensors because
+  torch's foreach kernels refuse mixed lists).
+
+AdamW is torch's own ``torch.optim.AdamW`` stepping groups 1–2; the Muon math mirrors
+``torch.optim.Muon`` and lives in pure helpers below.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ._patch import is_dedicated
+from ._state import DMuonState, get_state
+from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, newton_schulz
+
+__all__ = ["Muon", "AdjustLR", "adjusted_lr", "muon_update_"]
+
+
+class AdjustLR(enum.Enum):
+    """Shape-based learning-rate scaling, with ``torch.optim.Muon``'s meaning."""
+
+    #: Keller Jordan's: ``lr * sqrt(max(1, rows / cols))``.
+    ORIGINAL = "original"
+    #: Moonshot's: ``lr * 0.2 * sqrt(max(rows, cols))`` so the update RMS matches AdamW's.
+    MATCH_RMS_ADAMW = "match_rms_adamw"
+
+    @classmethod
+    def parse(cls, value: str | AdjustLR | None) -> AdjustLR:
+        if value is None:
+            return cls.ORIGINAL
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {value!r}"
+            ) from None
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: AdjustLR, shape: Sequence[int]) -> float:
+    """The learning rate Muon applies to a matrix of ``shape`` (rows, cols)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is AdjustLR.ORIGINAL:
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def muon_update_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_coefficients: tuple[float, float, float],
+    eps: float,
+    adjust_lr_fn: AdjustLR,
+) -> None:
+    """One Muon step on one full matrix, in place (same arithmetic as ``torch.optim.Muon``)."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+    ortho = newton_schulz(update, ns_steps, ns_coefficients, eps)
+    param.mul_(1 - lr * weight_decay)
+    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"dmuon.Muon: {name} must be a finite number >= 0, got {value!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon for dedicated matrices (on their owner rank), AdamW for everything else.
+
+    For each dedicated matrix :math:`W` with averaged gradient :math:`G` its owner computes
+
+    .. math::
+        B \leftarrow \mu B + G,\quad
+        U \leftarrow \begin{cases} G + \mu B & \text{nesterov} \\ B & \text{otherwise}\end{cases},\quad
+        W \leftarrow (1 - \gamma\lambda) W - \gamma\,s(W)\,\mathrm{NS}_k^{(a,b,c)}(U)
+
+    (``B`` kept as ``lerp`` like ``torch.optim.Muon``; :math:`s` is ``adjust_lr_fn``'s shape factor), then
+    the next forward broadcasts the new :math:`W`. Every other trainable parameter gets
+    ``torch.optim.AdamW``.
+
+    ``step()`` waits for the gradient reduces, updates, and leaves every rank ready for the next forward.
+    Build it after the model is materialised (after ``to_empty`` + init when using the meta device).
+
+    Args:
+        model: the root module passed to :func:`dmuon.dedicate_params`.
+        lr: Muon learning rate (default 0.02).
+        momentum: Muon momentum :math:`\mu` (default 0.95).
+        nesterov: Nesterov momentum (default True).
+        ns_steps: Newton–Schulz iterations (default 5).
+        ns_coefficients: ``(a, b, c)`` of the quintic (default Keller Jordan's, as torch).
+        eps: floor of the norm NS divides by (default 1e-7, as torch).
+        weight_decay: decoupled weight decay for Muon params (default 0.0).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (``torch.optim.Muon``'s meaning).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's ``lr``, ``betas``, ``eps``,
+            ``weight_decay`` (defaults 1e-3, (0.9, 0.999), 1e-8, 0.01, as ``torch.optim.AdamW``).
+        adamw_foreach, adamw_fused: passed to ``torch.optim.AdamW``.
+
+    Example::
+
+        dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2 and "proj" in n)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
+        for batch in loader:
+            optimizer.zero_grad()
+            model(batch).loss.backward()
+            optimizer.step()
+            scheduler.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = KELLER_JORDAN_COEFFICIENTS,
+        eps: float = DEFAULT_EPS,
+        weight_decay: float = 0.0,
+        adjust_lr_fn: str | None = None,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+        *,
+        adamw_foreach: bool | None = None,
+        adamw_fused: bool | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"dmuon.Muon takes the model (after dmuon.dedicate_params), not {type(model).__name__}; "
+                "it builds its param groups itself."
+            )
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("adamw_lr", adamw_lr),
+                            ("adamw_eps", adamw_eps), ("adamw_weight_decay", adamw_weight_decay)):
+            _check_nonneg(name, value)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}")
+        if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 0 <= ns_steps < 100:
+            raise ValueError(f"dmuon.Muon: ns_steps must be an int in [0, 100), got {ns_steps!r}")
+        if len(tuple(ns_coefficients)) != 3:
+            raise ValueError(f"dmuon.Muon: ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients!r}")
+        if not eps > 0:
+            raise ValueError(f"dmuon.Muon: eps must be > 0, got {eps!r}")
+        if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
+            raise ValueError(f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
+        adjust = AdjustLR.parse(adjust_lr_fn)
+
+        state = get_state(model)
+        state.bind_if_needed()
+        owned = [(dp.fqn, dp.param) for dp in state.dedicated() if dp.owner == state.rank()]
+        sharded, replicated = [], []
+        for fqn, p in model.named_parameters():
+            if not p.requires_grad or is_dedicated(p):
+                continue
+            (sharded if isinstance(p, DTensor) else replicated).append((fqn, p))
+
+        adamw_hparams = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        muon_group = dict(
+            params=[p for _, p in owned], param_names=[n for n, _ in owned], kind="muon", lr=lr,
+            momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
+            ns_coefficients=tuple(float(c) for c in ns_coefficients), eps=eps, weight_decay=weight_decay,
+            adjust_lr_fn=adjust.value,
+        )
+        adamw_groups = [
+            dict(params=[p for _, p in sharded], param_names=[n for n, _ in sharded], kind="adamw", **adamw_hparams),
+            dict(params=[p for _, p in replicated], param_names=[n for n, _ in replicated], kind="adamw_replicated",
+                 **adamw_hparams),
+        ]
+        # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
+        # our param_groups drive AdamW too.
+        self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused, **adamw_hparams)
+        self._dmuon_state: DMuonState = state
+        self._generation = state.generation
+        self._building = True
+        super().__init__([muon_group, *self._adamw.param_groups], defaults={})
+        self._building = False
+        self._adamw.state = self.state
+
+    # ------------------------------------------------------------------ #
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise TypeError(
+                "dmuon.Muon builds its param groups from the model; add_param_group is not supported. "
+                "Select params with dedicate_params(predicate=...) instead."
+            )
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # Optimizer.load_state_dict builds new group dicts and a new state map: re-share them with AdamW.
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
+        self._adamw.state = self.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        # Non-owners may hold local gradients of dedicated params (inside no_sync); they are not ours
+        # to step but they are ours to clear.
+        for dp in self._dmuon_state.dedicated():
+            if dp.param is not None and dp.owner != self._dmuon_state.rank():
+                dp.param.grad = None
+            dp.local_grad = dp.stashed_grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Wait for gradient reduces, apply Muon (owners) and AdamW, then invalidate non-owner copies."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        state = self._dmuon_state
+        if state.generation != self._generation:
+            raise RuntimeError(
+                "dmuon.Muon: the model's dedicated parameters were replaced after this optimizer was built "
+                "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
+            )
+        state.wait_all_reduces()
+        for group in self.param_groups:
+            if group["kind"] != "muon":
+                continue
+            adjust = AdjustLR.parse(group["adjust_lr_fn"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                muon_update_(
+                    p, p.grad, st["momentum_buffer"], lr=group["lr"], weight_decay=group["weight_decay"],
+                    momentum=group["momentum"], nesterov=group["nesterov"], ns_steps=group["ns_steps"],
+                    ns_coefficients=group["ns_coefficients"], eps=group["eps"], adjust_lr_fn=adjust,
+                )
+        self._adamw.step()
+        state.reshard_all()
+        return loss

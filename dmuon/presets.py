@@ -1,0 +1,90 @@
+"""Llama-shaped parameter lists without instantiating a model.
+
+Planner tests and benchmarks need the exact matrix shapes of real models
+(the owner split depends on them), but building an 8B model just to read its
+shapes is slow and memory-hungry. These presets produce the same
+:class:`~dmuon.partition.ParamSpec` list that walking the HF model would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+
+from dmuon.partition import ParamSpec
+
+__all__ = ["LlamaShape", "PRESETS", "projection_specs"]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The handful of config numbers that fix every projection shape."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LlamaShape {self.name!r}: {f.name} must be a positive int, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaShape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}) for GQA"
+            )
+
+
+PRESETS: Mapping[str, LlamaShape] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            LlamaShape("125m", hidden=768, intermediate=3072, layers=12, heads=12, kv_heads=12, head_dim=64, vocab=32000),
+            LlamaShape("llama3.2-1b", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256),
+            LlamaShape("llama3.2-3b", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256),
+            # Llama-3.1-8B (same shapes as Llama-3-8B).
+            LlamaShape("llama3-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256),
+        )
+    }
+)
+
+
+def projection_specs(preset: str | LlamaShape) -> list[ParamSpec]:
+    """The 7 projection weights of every decoder layer, HF names, nn.Linear (out, in) layout.
+
+    Embeddings, lm_head and norms are not included: Muon does not own them.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; valid names: {', '.join(sorted(PRESETS))}")
+        cfg = PRESETS[preset]
+    elif isinstance(preset, LlamaShape):
+        cfg = preset
+    else:
+        raise ValueError(
+            f"preset must be a preset name ({', '.join(sorted(PRESETS))}) or a LlamaShape, got {preset!r}"
+        )
+    q_out = cfg.heads * cfg.head_dim
+    kv_out = cfg.kv_heads * cfg.head_dim
+    specs: list[ParamSpec] = []
+    for i in range(cfg.layers):
+        layer = f"model.layers.{i}"
+        for name, shape in (
+            ("self_attn.q_proj", (q_out, cfg.hidden)),
+            ("self_attn.k_proj", (kv_out, cfg.hidden)),
+            ("self_attn.v_proj", (kv_out, cfg.hidden)),
+            ("self_attn.o_proj", (cfg.hidden, q_out)),
+            ("mlp.gate_proj", (cfg.intermediate, cfg.hidden)),
+            ("mlp.up_proj", (cfg.intermediate, cfg.hidden)),
+            ("mlp.down_proj", (cfg.hidden, cfg.intermediate)),
+        ):
+            specs.append(ParamSpec(f"{layer}.{name}.weight", shape, layer))
+    return specs
