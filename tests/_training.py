@@ -49,16 +49,26 @@ def batches(steps: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def build_model(seed: int = 0, cfg: TinyLlamaConfig = CFG) -> TinyLlama:
+def build_model(seed: int = 0, cfg: TinyLlamaConfig = CFG, extra_unused: bool = False) -> TinyLlama:
     model = TinyLlama(cfg)
     model.init_weights(seed)
+    if extra_unused:
+        add_unused_proj(model)
     return model
 
 
-def train_oracle(steps: int, hp: HParams = HParams()) -> dict:
+def add_unused_proj(model: TinyLlama) -> None:
+    """A dedicated-looking matrix in layers.1 that forward never touches (gets no gradient)."""
+    extra = nn.Linear(CFG.dim, CFG.dim, bias=False)
+    with torch.no_grad():
+        extra.weight.copy_(torch.randn(CFG.dim, CFG.dim, generator=torch.Generator().manual_seed(7)))
+    model.layers[1].mlp.unused_proj = extra
+
+
+def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""
     torch.manual_seed(0)
-    model = build_model()
+    model = build_model(extra_unused=extra_unused)
     muon_params = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
     other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
     opt_m = torch.optim.Muon(
@@ -113,6 +123,12 @@ class RunOptions:
     fsdp: bool = True
     checkpoint: bool = False
     meta_init: bool = False
+    #: add a dedicated matrix that never gets a gradient
+    extra_unused: bool = False
+    #: run the local batch as two forwards (halves) before one backward
+    two_forwards: bool = False
+    #: an eval-mode no_grad forward between backward and step, and one after step
+    eval_between: bool = False
     hp: HParams = field(default_factory=HParams)
 
 
@@ -124,7 +140,7 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
         with torch.device("meta"):
             model = TinyLlama(CFG)
     else:
-        model = build_model()
+        model = build_model(extra_unused=opts.extra_unused)
     plan = dmuon.dedicate_params(model, mesh, predicate=projection_predicate,
                                  reshard_after_forward=opts.reshard_after_forward)
     if opts.fsdp:
@@ -146,17 +162,57 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
         adamw_betas=hp.adamw_betas, adamw_eps=hp.adamw_eps, adamw_weight_decay=hp.adamw_weight_decay,
     )
     P = sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
+    # Every all-gather in the job is FSDP2's (dmuon issues none): record their sizes.
+    # (torch 2.13 FSDP2 calls dist.all_gather_single, older releases dist.all_gather_into_tensor.)
+    gathered = [0]
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(real):
+        def all_gather(output, *args, **kwargs):
+            gathered[0] += output.numel()
+            return real(output, *args, **kwargs)
+
+        return all_gather
+
+    for n in names:
+        setattr(dist, n, counting(originals[n]))
+    try:
+        return _train_loop(rank, world, opts, model, opt, plan, P, gathered)
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+
+
+def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
     per = GLOBAL_BATCH // world
     losses, counts, between_fwd_bwd, after_step, eval_logits = [], [], [], [], []
     for tok, tgt in batches(opts.steps):
         tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
         dmuon.diagnostics.reset_comm_counts(model)
+        gathered[0] = 0
         opt.zero_grad()
-        loss = model(tok, tgt).loss
+        if opts.two_forwards:
+            h = per // 2
+            loss = (model(tok[:h], tgt[:h]).loss + model(tok[h:], tgt[h:]).loss) / 2
+        else:
+            loss = model(tok, tgt).loss
         between_fwd_bwd.append(non_owner_storage_bytes(model))
         loss.backward()
+        if opts.eval_between:
+            model.eval()
+            with torch.no_grad():
+                model(tok)
+            model.train()
+            if opts.fsdp:
+                # FSDP2's own pitfall, not dmuon's: the root stays unsharded after a no_grad forward, so
+                # without this the next forward would reuse its pre-step root weights.
+                model.reshard()
         opt.step()
-        counts.append(dmuon.diagnostics.comm_counts(model))
+        if opts.eval_between:
+            with torch.no_grad():
+                model(tok)
+        counts.append(dict(dmuon.diagnostics.comm_counts(model), fsdp_all_gather_elements=gathered[0]))
         after_step.append(non_owner_storage_bytes(model))
         with torch.no_grad():
             eval_logits.append(model(batches(1, seed=99)[0][0][:2]).logits.clone())
@@ -173,6 +229,11 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
         "eval_logits": eval_logits,
         "imbalance": plan.imbalance,
         "owned": sorted(dmuon.get_owned_params(model)),
+        "other_numel_padded": sum(
+            -(-p.shape[0] // world) * world * (p.numel() // p.shape[0])
+            for n, p in model.named_parameters()
+            if not hasattr(p, "_dedicated_owner_rank")
+        ),
     }
 
 
