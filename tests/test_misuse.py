@@ -1,0 +1,184 @@
+"""Bad input fails loudly, with the offending name, before anything changes (no attribute set, no
+storage freed, no hook left behind), and hook boundaries resolve as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests._dist import run_distributed
+from tests._training import build_model
+
+import dmuon
+from dmuon._state import STATE_ATTR
+
+
+def _fingerprint(model: nn.Module) -> dict:
+    return {
+        "tagged": [n for n, p in model.named_parameters() if hasattr(p, "_dedicated_owner_rank")],
+        "state": getattr(model, STATE_ATTR, None) is not None,
+        "storage": {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()},
+        # (0-byte placeholders must not be read: that is a segfault, not an exception)
+        "values": {n: p.detach().clone() for n, p in model.named_parameters() if p.untyped_storage().nbytes()},
+        "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()),
+    }
+
+
+def _unchanged(before: dict, model: nn.Module) -> bool:
+    after = _fingerprint(model)
+    return (
+        before["tagged"] == after["tagged"]
+        and before["state"] == after["state"]
+        and before["storage"] == after["storage"]
+        and before["hooks"] == after["hooks"]
+        and all(torch.equal(before["values"][k], after["values"][k]) for k in before["values"])
+    )
+
+
+class Vision(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(2))
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)) for _ in range(2))
+
+
+class Multimodal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = Vision()
+        self.decoder = Decoder()
+        self.head = nn.Linear(8, 4)
+
+
+def misuse_job(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    proj = lambda n, p: p.ndim == 2 and "proj" in n  # noqa: E731
+    out: dict[str, tuple[str, str, bool]] = {}
+
+    def attempt(case: str, model: nn.Module, fn) -> None:
+        before = _fingerprint(model)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+            out[case] = (type(e).__name__, str(e), _unchanged(before, model))
+        else:
+            out[case] = ("no error", "", _unchanged(before, model))
+
+    m = build_model()
+    fully_shard(m.layers[0], mesh=mesh)
+    attempt("after_fully_shard", m, lambda: dmuon.dedicate_params(m, mesh, proj))
+
+    m = build_model()
+    attempt("non_2d", m, lambda: dmuon.dedicate_params(m, mesh, lambda n, p: "proj" in n or "norm" in n))
+    m = build_model()
+    m.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    attempt("frozen", m, lambda: dmuon.dedicate_params(m, mesh, proj))
+    m = build_model()
+    attempt("selects_nothing", m, lambda: dmuon.dedicate_params(m, mesh, lambda n, p: False))
+    m = build_model()
+    m.layers[1].attention.q_proj.weight = m.layers[0].attention.q_proj.weight
+    attempt("tied", m, lambda: dmuon.dedicate_params(m, mesh, proj))
+
+    sub = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+    m = build_model()
+    attempt("mesh_smaller_than_world", m, lambda: dmuon.dedicate_params(m, sub["a"], proj))
+    attempt("mesh_2d", m, lambda: dmuon.dedicate_params(m, sub, proj))
+    attempt("strict_boundary", m, lambda: dmuon.dedicate_params(
+        m, mesh, proj, hook_boundary_predicate=lambda mod: isinstance(mod, nn.Embedding)))
+    attempt("muon_before_dedicate", m, lambda: dmuon.Muon(m))
+
+    # a valid call, then misuse on the prepared model must leave it trainable
+    dmuon.dedicate_params(m, mesh, proj)
+    attempt("twice", m, lambda: dmuon.dedicate_params(m, mesh, proj))
+    attempt("bad_adjust_lr_fn", m, lambda: dmuon.Muon(m, adjust_lr_fn="sqrt"))
+    attempt("bad_momentum", m, lambda: dmuon.Muon(m, momentum=1.5))
+    attempt("bad_ns_steps", m, lambda: dmuon.Muon(m, ns_steps=-1))
+    attempt("muon_takes_model", m, lambda: dmuon.Muon(list(m.parameters())))
+    opt = dmuon.Muon(m)
+    attempt("add_param_group", m, lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]}))
+    tok = torch.randint(0, 128, (2, 8))
+    m(tok, tok).loss.backward()
+    opt.step()
+    out["still_trains"] = ("ok", "", all(torch.isfinite(p).all() for p in dmuon.get_owned_params(m).values()))
+
+    # hook boundaries
+    mm = Multimodal()
+    dmuon.dedicate_params(mm, mesh, lambda n, p: p.ndim == 2)
+    default_bounds = sorted(g.fqn for g in getattr(mm, STATE_ATTR).groups)
+    mm = Multimodal()
+    dmuon.dedicate_params(mm, mesh, lambda n, p: p.ndim == 2,
+                          hook_boundary_predicate=lambda mod: isinstance(mod, (Vision, Decoder)),
+                          hook_boundary_strict=False)
+    custom_bounds = sorted(g.fqn for g in getattr(mm, STATE_ATTR).groups)
+    mm = Multimodal()
+    attempt("strict_multimodal_head", mm, lambda: dmuon.dedicate_params(
+        mm, mesh, lambda n, p: p.ndim == 2, hook_boundary_predicate=lambda mod: isinstance(mod, (Vision, Decoder))))
+    out["bounds"] = (repr(default_bounds), repr(custom_bounds), True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_distributed(misuse_job, 2)[0]
+
+
+@pytest.mark.parametrize(
+    "case, error, needle",
+    [
+        ("after_fully_shard", "ValueError", "before fully_shard"),
+        ("non_2d", "ValueError", "attention_norm.weight"),
+        ("frozen", "ValueError", "layers.0.mlp.up_proj.weight"),
+        ("selects_nothing", "ValueError", "selected no parameters"),
+        ("tied", "ValueError", "shared"),
+        ("mesh_smaller_than_world", "ValueError", "1 ranks but the default process group has 2"),
+        ("mesh_2d", "ValueError", "must be 1-D"),
+        ("strict_boundary", "ValueError", "layers.0.attention.q_proj.weight"),
+        ("muon_before_dedicate", "ValueError", "dedicate_params"),
+        ("twice", "ValueError", "already called"),
+        ("bad_adjust_lr_fn", "ValueError", "'sqrt'"),
+        ("bad_momentum", "ValueError", "1.5"),
+        ("bad_ns_steps", "ValueError", "-1"),
+        ("muon_takes_model", "TypeError", "list"),
+        ("add_param_group", "TypeError", "add_param_group"),
+        ("strict_multimodal_head", "ValueError", "'head.weight'"),
+    ],
+)
+def test_misuse_raises_before_any_change(results, case, error, needle):
+    got_type, message, unchanged = results[case]
+    assert got_type == error, f"{case}: expected {error}, got {got_type}: {message}"
+    assert needle in message, f"{case}: {message!r} does not mention {needle!r}"
+    assert unchanged, f"{case}: the model changed although the call failed"
+
+
+def test_strict_boundary_message_names_a_param(results):
+    # no projection has an nn.Embedding ancestor-or-self
+    assert "dedicated param" in results["strict_boundary"][1]
+
+
+def test_model_still_trains_after_rejected_calls(results):
+    assert results["still_trains"][2]
+
+
+def test_hook_boundaries(results):
+    default_bounds, custom_bounds, _ = results["bounds"]
+    assert eval(default_bounds) == [  # noqa: S307 - our own repr
+        "decoder.layers.0", "decoder.layers.1", "head", "vision.blocks.0", "vision.blocks.1",
+    ]
+    assert eval(custom_bounds) == ["decoder", "head", "vision"]  # noqa: S307
+
+
+def test_dedicate_params_needs_torch_distributed():
+    model = build_model()
+    before = _fingerprint(model)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        dmuon.dedicate_params(model, None)  # type: ignore[arg-type]
+    assert _unchanged(before, model)
