@@ -1,0 +1,141 @@
+"""dmuon.Muon as a torch optimizer: its Muon math equals torch.optim.Muon's, schedulers drive both kinds
+of groups, state_dict round trips keep AdamW wired in, and non-default options match torch end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmuon
+from dmuon.optim import AdjustLR, adjusted_lr, muon_update_
+from tests._dist import run_distributed
+from tests._training import KJ, batches, build_model, projection_predicate
+
+
+@pytest.mark.parametrize("fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
+def test_adjusted_lr_matches_torch(fn, shape):
+    from torch.optim._muon import _adjust_lr
+
+    assert adjusted_lr(0.02, AdjustLR.parse(fn), shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
+def test_muon_update_is_bitwise_torch(nesterov, fn):
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(48, 24, generator=gen)
+    grads = [torch.randn(48, 24, generator=gen) for _ in range(3)]
+    ref = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.Muon([ref], lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                           ns_coefficients=KJ, ns_steps=4, adjust_lr_fn=fn)
+    mine, buf = w0.clone(), torch.zeros_like(w0)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+        muon_update_(mine, g.clone(), buf, lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+                     ns_steps=4, ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.parse(fn))
+    assert torch.equal(mine, ref.detach())
+    assert torch.equal(buf, opt.state[ref]["momentum_buffer"])
+
+
+def test_adjust_lr_fn_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'rms'"):
+        AdjustLR.parse("rms")
+
+
+HP = dict(lr=0.015, momentum=0.9, nesterov=False, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
+ADAMW = dict(lr=2e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.02)
+STEPS = 5
+
+
+def _schedule(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def _oracle() -> list[float]:
+    model = build_model()
+    muon = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
+    other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
+    om = torch.optim.Muon(muon, ns_coefficients=KJ, **HP)
+    oa = torch.optim.AdamW(other, **ADAMW)
+    sm = torch.optim.lr_scheduler.LambdaLR(om, _schedule)
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, _schedule)
+    losses = []
+    for tok, tgt in batches(STEPS):
+        om.zero_grad()
+        oa.zero_grad()
+        loss = model(tok, tgt).loss
+        loss.backward()
+        om.step()
+        oa.step()
+        sm.step()
+        sa.step()
+        losses.append(loss.item())
+    return losses
+
+
+def optim_job(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model()
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, ns_coefficients=KJ, **HP, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+    kinds = [g["kind"] for g in opt.param_groups]
+    names = [list(g["param_names"]) for g in opt.param_groups]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    losses, lrs = [], []
+    for step, (tok, tgt) in enumerate(batches(STEPS)):
+        opt.zero_grad()
+        loss = model(tok, tgt).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step == 2:  # a round trip through state_dict must keep AdamW's state and groups wired in
+            opt.load_state_dict(opt.state_dict())
+        lrs.append([g["lr"] for g in opt.param_groups])
+        losses.append(loss.item())
+    adamw_groups_shared = all(a is b for a, b in zip(opt._adamw.param_groups, opt.param_groups[1:]))
+    grads_cleared = None
+    opt.zero_grad()
+    grads_cleared = all(p.grad is None for p in model.parameters())
+    return dict(losses=losses, lrs=lrs, kinds=kinds, names=names, shared=adamw_groups_shared,
+                state_shared=opt._adamw.state is opt.state, grads_cleared=grads_cleared,
+                n_state=len(opt.state_dict()["state"]))
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> dict:
+    return run_distributed(optim_job, 1)[0]
+
+
+def test_options_and_scheduler_match_torch_bitwise(single_rank):
+    assert single_rank["losses"] == _oracle()
+
+
+def test_scheduler_scales_muon_and_adamw_groups(single_rank):
+    for step, lrs in enumerate(single_rank["lrs"]):
+        scale = _schedule(step + 1)
+        assert lrs == pytest.approx([HP["lr"] * scale, ADAMW["lr"] * scale, ADAMW["lr"] * scale])
+
+
+def test_param_groups_layout(single_rank):
+    assert single_rank["kinds"] == ["muon", "adamw", "adamw_replicated"]
+    muon_names, sharded_names, plain_names = single_rank["names"]
+    assert len(muon_names) == 14 and all("proj" in n for n in muon_names)
+    assert sorted(sharded_names) == sorted(
+        n for n, p in build_model().named_parameters() if not projection_predicate(n, p))
+    assert plain_names == []
+
+
+def test_state_dict_round_trip_keeps_adamw_wired(single_rank):
+    assert single_rank["shared"] and single_rank["state_shared"]
+    # 14 Muon momenta + AdamW moments of embeddings, 4 block norms, final norm and head, in one dict
+    assert single_rank["n_state"] == 14 + 7
+    assert single_rank["grads_cleared"]
