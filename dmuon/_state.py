@@ -19,18 +19,16 @@ present and never free them or register more backward hooks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from . import _collectives as C
-from ._patch import is_dedicated
 from .diagnostics import CommCounter, CommKind
 from .group import BoundaryGroup, DedicatedParam, GroupState
 from .partition import OwnerPlan
@@ -38,6 +36,24 @@ from .partition import OwnerPlan
 __all__ = ["DMuonState", "get_state", "STATE_ATTR"]
 
 STATE_ATTR = "_dmuon_state"
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """Tensors inside a module output: nested tuples/lists/dicts (HF ``ModelOutput`` is a dict),
+    namedtuples and dataclasses."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+    return found
 
 
 def _in_backward() -> bool:
@@ -66,6 +82,9 @@ class DMuonState:
         self.sync_grads = True
         #: Bumped whenever parameter objects are rebound (``to_empty``); optimizers check it.
         self.generation = 0
+        #: Trainable params neither dmuon nor FSDP2 manages; set by ``dmuon.Muon`` (its
+        #: ``adamw_replicated`` group), whose gradients are averaged at the end of each backward.
+        self.replicated_params: list[nn.Parameter] = []
         self._callback_queued = False
         self._handles: list[RemovableHandle] = []
 
@@ -117,7 +136,8 @@ class DMuonState:
     # Hooks                                                                #
     # ------------------------------------------------------------------ #
     def _pre_forward(self, g: BoundaryGroup) -> None:
-        self.bind_if_needed()
+        if g.needs_bind():  # to_empty() replaced the params (checked per group: cheap on the hot path)
+            self.bind_if_needed()
         if _in_backward():  # activation-checkpoint recomputation
             g.ensure_unsharded(CommKind.BACKWARD_BROADCAST)
             return
@@ -126,14 +146,18 @@ class DMuonState:
     def _post_forward(self, g: BoundaryGroup, output: Any) -> Any:
         if _in_backward():
             return output
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and tensors:
-            g.backward_pending = True
+        if not torch.is_grad_enabled():
+            if not g.backward_pending:  # no backward will need these copies
+                g.reshard()
+            return output
+        g.backward_pending = True
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, g=g: self._pre_backward(g), mode="any")
             if self.reshard_after_forward:
                 g.reshard()
-        elif not g.backward_pending:
-            g.reshard()
+        # else: no output we can hook for a pre-backward re-broadcast, so keep the copies until the
+        # gradients are reduced (Z2 behaviour for this call) rather than free what backward will read.
         return output
 
     def _pre_backward(self, g: BoundaryGroup) -> None:
@@ -196,12 +220,11 @@ class DMuonState:
     def all_reduce_replicated_grads(self) -> None:
         """Average gradients of trainable params that neither dmuon nor FSDP2 manages (a model, or part of
         one, without ``fully_shard``), like DDP would. One coalesced all-reduce; a trailing flag per param
-        records whether any rank had a gradient, so params nobody touched keep ``grad=None``."""
-        params = [
-            p
-            for p in self.model.parameters()
-            if p.requires_grad and not is_dedicated(p) and not isinstance(p, DTensor)
-        ]
+        records whether any rank had a gradient, so params nobody touched keep ``grad=None``.
+
+        The list comes from the optimizer rather than from scanning the model here: while FSDP2 holds a
+        module unsharded, its parameters are plain tensors too and must not be mistaken for these."""
+        params = self.replicated_params
         if not params or self.ctx.world_size == 1:
             return
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}

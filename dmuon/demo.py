@@ -119,11 +119,13 @@ def _build_model(s: DemoSettings, device: torch.device) -> torch.nn.Module:
 
 
 def _shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool) -> None:
+    """FSDP2 per layer, then the root. The root keeps FSDP2's default (its params stay gathered until
+    backward, which starts right away): forcing ``True`` there breaks backward on torch 2.11 CUDA."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh)
 
 
 def _print_plan(rank: int, plan: Any, dedicated_elements: int) -> None:
@@ -160,7 +162,9 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
         # The ranks share the machine's cores; oversubscribing them makes every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.world_size))
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=s.world_size, timeout=timedelta(seconds=s.timeout_s))
+    # device_id binds NCCL to this rank's GPU up front (and keeps barrier() from guessing it).
+    dist.init_process_group(backend, rank=rank, world_size=s.world_size, timeout=timedelta(seconds=s.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
     try:
         mesh = init_device_mesh(device.type, (s.world_size,))
         z3 = s.zero == 3

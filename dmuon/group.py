@@ -22,7 +22,7 @@ reduce, so it is never averaged twice.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -137,7 +137,7 @@ class BoundaryGroup:
     def is_meta(self) -> bool:
         return any(dp.current().is_meta for dp in self.params)
 
-    def bind(self, register_hooks: "callable") -> None:  # type: ignore[valid-type]
+    def bind(self, register_hooks: Callable[[DedicatedParam], None]) -> None:
         """Point every parameter at its bucket buffer; owners copy their values in, others free theirs.
 
         Called at ``dedicate_params`` time and again whenever the parameter objects were replaced

@@ -203,6 +203,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
         self._building = False
         self._adamw.state = self.state
+        state.replicated_params = [p for _, p in replicated]
 
     # ------------------------------------------------------------------ #
     def add_param_group(self, param_group: dict[str, Any]) -> None:

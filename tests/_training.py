@@ -129,6 +129,8 @@ class RunOptions:
     two_forwards: bool = False
     #: an eval-mode no_grad forward between backward and step, and one after step
     eval_between: bool = False
+    #: one hook boundary for the whole model, whose forward returns a dataclass (CausalLMOutput)
+    root_boundary: bool = False
     hp: HParams = field(default_factory=HParams)
 
 
@@ -141,8 +143,10 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
             model = TinyLlama(CFG)
     else:
         model = build_model(extra_unused=opts.extra_unused)
-    plan = dmuon.dedicate_params(model, mesh, predicate=projection_predicate,
-                                 reshard_after_forward=opts.reshard_after_forward)
+    plan = dmuon.dedicate_params(
+        model, mesh, predicate=projection_predicate, reshard_after_forward=opts.reshard_after_forward,
+        hook_boundary_predicate=(lambda m: isinstance(m, TinyLlama)) if opts.root_boundary else None,
+    )
     if opts.fsdp:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)

@@ -26,6 +26,8 @@ SCENARIOS = {
     "two_forwards_z2": RunOptions(steps=STEPS, two_forwards=True, reshard_after_forward=False),
     "unused_param": RunOptions(steps=STEPS, extra_unused=True),
     "no_fsdp": RunOptions(steps=STEPS, fsdp=False),
+    "root_boundary_z3": RunOptions(steps=STEPS, root_boundary=True),
+    "root_boundary_z2": RunOptions(steps=STEPS, root_boundary=True, reshard_after_forward=False),
 }
 
 
@@ -110,6 +112,15 @@ def test_unused_param_gets_no_update():
 
 def _unused_job(rank: int, world: int) -> dict:
     return train_dmuon(rank, world, SCENARIOS["unused_param"])
+
+
+@pytest.mark.parametrize("zero", ["z3", "z2"])
+def test_boundary_returning_a_dataclass(runs, zero):
+    # the whole model as one boundary: its output is a CausalLMOutput dataclass, not a tensor
+    for rank, res in enumerate(runs):
+        _assert_bitwise(res[f"root_boundary_{zero}"], res[f"base_{zero}"], f"rank {rank} root boundary {zero}")
+        c = res[f"root_boundary_{zero}"]["counts"]
+        assert all(x["forward_broadcast"]["calls"] == 2 for x in c), c  # one bucket per owner
 
 
 def test_model_without_fully_shard(runs, oracle):
