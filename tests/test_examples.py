@@ -21,6 +21,8 @@ def _env() -> dict[str, str]:
     """One thread per rank (the ranks share the cores) and the checkout importable without install."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    # These are the CPU/gloo runs CI makes; on a GPU machine keep them there too (2 ranks on 1 GPU fail).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
