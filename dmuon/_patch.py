@@ -81,7 +81,16 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install_patch() -> None:
-    """Install the FSDP2 skip patch; idempotent. Raises ``RuntimeError`` if torch's internals moved."""
+    """Install the FSDP2 skip patch; idempotent. Raises ``RuntimeError`` if torch's internals moved.
+
+    ``import dmuon`` already calls it; call it again after something restored FSDP2's helper.
+
+    Example::
+
+        import dmuon
+        dmuon.install_patch()          # no-op when already installed
+        assert dmuon.is_patch_installed()
+    """
     mod = _hook_module()
     fn = getattr(mod, _HOOK_NAME)
     if getattr(fn, _MARK, False):
@@ -90,7 +99,13 @@ def install_patch() -> None:
 
 
 def uninstall_patch() -> None:
-    """Restore FSDP2's original helper (mainly for tests); a no-op if the patch is not installed."""
+    """Restore FSDP2's original helper (mainly for tests); a no-op if the patch is not installed.
+
+    Example::
+
+        dmuon.uninstall_patch()        # fully_shard now shards every parameter again
+        dmuon.install_patch()
+    """
     mod = _hook_module()
     fn = getattr(mod, _HOOK_NAME)
     if getattr(fn, _MARK, False):
@@ -98,5 +113,11 @@ def uninstall_patch() -> None:
 
 
 def is_patch_installed() -> bool:
-    """Whether ``fully_shard`` currently skips dedicated parameters."""
+    """Whether ``fully_shard`` currently skips dedicated parameters.
+
+    Example::
+
+        if not dmuon.is_patch_installed():
+            dmuon.install_patch()
+    """
     return bool(getattr(getattr(_hook_module(), _HOOK_NAME), _MARK, False))

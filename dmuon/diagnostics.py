@@ -64,10 +64,23 @@ def _counter(model: nn.Module) -> CommCounter:
 
 
 def comm_counts(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Totals since the last :func:`reset_comm_counts` for a model prepared by ``dedicate_params``."""
+    """Totals since the last :func:`reset_comm_counts` for a model prepared by ``dedicate_params``.
+
+    Example::
+
+        counts = dmuon.diagnostics.comm_counts(model)
+        assert counts["reduce"]["elements"] == sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
+    """
     return _counter(model).as_dict()
 
 
 def reset_comm_counts(model: nn.Module) -> None:
-    """Zero the counters (e.g. at the start of the step you want to measure)."""
+    """Zero the counters (e.g. at the start of the step you want to measure).
+
+    Example::
+
+        dmuon.diagnostics.reset_comm_counts(model)
+        train_one_step()
+        print(dmuon.diagnostics.comm_counts(model)["forward_broadcast"])
+    """
     _counter(model).reset()
