@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from . import diagnostics
 from ._patch import install_patch, is_patch_installed, uninstall_patch
+from .accumulate import no_sync
 from .api import broadcast_all_updates, get_dedicated_params, get_owned_params, wait_all_reduces
+from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from .dedicate import dedicate_params
 from .group import GroupState
 from .newton_schulz import newton_schulz
@@ -22,10 +24,15 @@ __all__ = [
     "dedicate_params",
     "diagnostics",
     "get_dedicated_params",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
     "get_owned_params",
     "install_patch",
     "is_patch_installed",
     "newton_schulz",
+    "no_sync",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "uninstall_patch",
     "wait_all_reduces",
 ]

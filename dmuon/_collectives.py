@@ -20,7 +20,10 @@ from torch.profiler import record_function
 
 from .diagnostics import CommCounter, CommKind
 
-__all__ = ["CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg", "wait", "all_gather_object"]
+__all__ = [
+    "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg", "wait", "all_gather_object",
+    "broadcast_object",
+]
 
 
 @dataclass
@@ -109,3 +112,12 @@ def all_gather_object(ctx: CommContext, obj: object) -> list[object]:
         return [obj]
     dist.all_gather_object(out, obj, group=ctx.group)
     return out
+
+
+def broadcast_object(ctx: CommContext, obj: object, src: int) -> object:
+    """Send a small picklable object from mesh rank ``src`` to every rank (metadata, never tensors)."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=ctx.global_ranks[src], group=ctx.group)
+    return box[0]

@@ -35,6 +35,8 @@ class CommKind(enum.Enum):
     REDUCE = "reduce"
     #: All-reduce of gradients of plain (neither dedicated nor FSDP2-sharded) parameters.
     REPLICATED_GRAD_ALL_REDUCE = "replicated_grad_all_reduce"
+    #: Tensors moved by the state-dict functions (gathering to or scattering from full tensors).
+    CHECKPOINT = "checkpoint"
 
 
 @dataclass

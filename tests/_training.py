@@ -40,11 +40,11 @@ class HParams:
     adamw_weight_decay: float = 0.01
 
 
-def batches(steps: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int, seed: int = 1234, global_batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        tok = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        tok = torch.randint(0, CFG.vocab_size, (global_batch, SEQ + 1), generator=gen)
         out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
     return out
 
@@ -129,6 +129,8 @@ class RunOptions:
     two_forwards: bool = False
     #: an eval-mode no_grad forward between backward and step, and one after step
     eval_between: bool = False
+    #: micro-batches per step: all but the last under dmuon.no_sync
+    accum: int = 1
     #: one hook boundary for the whole model, whose forward returns a dataclass (CausalLMOutput)
     root_boundary: bool = False
     hp: HParams = field(default_factory=HParams)
@@ -190,19 +192,22 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
 
 def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
     per = GLOBAL_BATCH // world
-    losses, counts, between_fwd_bwd, after_step, eval_logits = [], [], [], [], []
+    losses, counts, between_fwd_bwd, after_step, eval_logits, micro_counts = [], [], [], [], [], []
     for tok, tgt in batches(opts.steps):
         tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
         dmuon.diagnostics.reset_comm_counts(model)
         gathered[0] = 0
         opt.zero_grad()
-        if opts.two_forwards:
+        if opts.accum > 1:
+            loss = _accumulate(model, tok, tgt, opts.accum, micro_counts)
+        elif opts.two_forwards:
             h = per // 2
             loss = (model(tok[:h], tgt[:h]).loss + model(tok[h:], tgt[h:]).loss) / 2
         else:
             loss = model(tok, tgt).loss
         between_fwd_bwd.append(non_owner_storage_bytes(model))
-        loss.backward()
+        if opts.accum == 1:
+            loss.backward()
         if opts.eval_between:
             model.eval()
             with torch.no_grad():
@@ -231,6 +236,7 @@ def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
         "storage_between_fwd_bwd": between_fwd_bwd,
         "storage_after_step": after_step,
         "eval_logits": eval_logits,
+        "micro_counts": micro_counts,
         "imbalance": plan.imbalance,
         "owned": sorted(dmuon.get_owned_params(model)),
         "other_numel_padded": sum(
@@ -239,6 +245,23 @@ def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
             if not hasattr(p, "_dedicated_owner_rank")
         ),
     }
+
+
+def _accumulate(model, tok, tgt, accum, micro_counts) -> torch.Tensor:
+    """The seed's accumulation loop: micro-batches 1..accum-1 under no_sync, the last outside."""
+    from contextlib import nullcontext
+
+    m = tok.shape[0] // accum
+    total = torch.zeros(())
+    for i in range(accum):
+        ctx = dmuon.no_sync(model) if i < accum - 1 else nullcontext()
+        dmuon.diagnostics.reset_comm_counts(model)
+        with ctx:
+            loss = model(tok[i * m : (i + 1) * m], tgt[i * m : (i + 1) * m]).loss / accum
+            loss.backward()
+        micro_counts.append((i < accum - 1, dmuon.diagnostics.comm_counts(model)))
+        total += loss.detach()
+    return total
 
 
 def _checkpointed(fwd, checkpoint):

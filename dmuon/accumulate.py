@@ -1,0 +1,52 @@
+"""Gradient accumulation: ``dmuon.no_sync(model)`` keeps gradients local until a backward outside it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.nn as nn
+
+from ._state import get_state
+
+__all__ = ["no_sync"]
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Inside: no dedicated gradient reduce, no FSDP2 reduce-scatter, no replicated all-reduce; every rank
+    accumulates its local gradients. The first backward outside reduces the accumulated sum.
+
+    Weights still travel (forward broadcast, and under Z3 the backward re-broadcast): only gradient
+    traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile.
+
+    Example::
+
+        for i, batch in enumerate(loader):
+            ctx = dmuon.no_sync(model) if (i + 1) % accum_steps else contextlib.nullcontext()
+            with ctx:
+                (model(batch).loss / accum_steps).backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+    state = get_state(model)
+    fsdp = _fsdp_modules(model)
+    previous = state.sync_grads
+    state.sync_grads = False
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        state.sync_grads = previous
+        for m in fsdp:
+            m.set_requires_gradient_sync(previous, recurse=False)  # type: ignore[operator]
