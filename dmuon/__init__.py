@@ -8,7 +8,13 @@ from __future__ import annotations
 from . import diagnostics
 from ._patch import install_patch, is_patch_installed, uninstall_patch
 from .accumulate import no_sync
-from .api import broadcast_all_updates, get_dedicated_params, get_owned_params, wait_all_reduces
+from .api import (
+    broadcast_all_updates,
+    get_dedicated_params,
+    get_owned_params,
+    wait_all_reduces,
+    wait_all_replicate_broadcasts,
+)
 from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from .dedicate import dedicate_params
 from .group import GroupState
@@ -35,6 +41,7 @@ __all__ = [
     "set_optimizer_state_dict",
     "uninstall_patch",
     "wait_all_reduces",
+    "wait_all_replicate_broadcasts",
 ]
 
 __version__ = "0.1.0"

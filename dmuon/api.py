@@ -10,7 +10,10 @@ import torch.nn as nn
 
 from ._state import get_state
 
-__all__ = ["wait_all_reduces", "broadcast_all_updates", "get_dedicated_params", "get_owned_params"]
+__all__ = [
+    "wait_all_reduces", "broadcast_all_updates", "wait_all_replicate_broadcasts", "get_dedicated_params",
+    "get_owned_params",
+]
 
 
 def wait_all_reduces(model: nn.Module) -> None:
@@ -41,6 +44,20 @@ def broadcast_all_updates(model: nn.Module) -> None:
         dmuon.broadcast_all_updates(model)
     """
     get_state(model).reshard_all()
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Finish every pending post-step publish of updated weights over the replicate dimension (HSDP in
+    async mode) so a checkpoint sees the new weights. On a 1-D mesh updates travel only inside forward,
+    so nothing is ever pending and this returns at once; it is safe to call unconditionally, and the
+    state-dict functions call it themselves.
+
+    Example::
+
+        dmuon.wait_all_replicate_broadcasts(model)
+        model_sd = dmuon.get_model_state_dict(model)
+    """
+    get_state(model)  # a model without dmuon state is a usage error either way
 
 
 def get_dedicated_params(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +50,9 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
         procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args)) for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + TIMEOUT_S
         for p in procs:
-            p.join(TIMEOUT_S)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

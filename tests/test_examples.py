@@ -60,3 +60,14 @@ def test_demo_runs_and_plots(tmp_path: Path) -> None:
     png = out / "loss.png"
     assert png.is_file(), text
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_manual_overrides_recipe_runs_under_torchrun() -> None:
+    """Accumulation with no_sync, then the seed's save/load round trip into a fresh model."""
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 "examples/manual_overrides.py"])
+    match = re.search(r"manual_overrides: OK restored loss (\d+\.\d+) \(original (\d+\.\d+)\)", proc.stdout)
+    assert match, proc.stdout
+    assert match.group(1) == match.group(2)
+    steps = re.findall(r"optimizer step (\d+)", proc.stdout)
+    assert steps == ["1", "2", "3", "4"], proc.stdout
