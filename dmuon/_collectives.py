@@ -10,6 +10,7 @@ never interleave with the trainer's own (logging all-reduces, checkpoint barrier
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,34 +22,145 @@ from torch.profiler import record_function
 from .diagnostics import CommCounter, CommKind
 
 __all__ = [
-    "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg", "wait", "all_gather_object",
+    "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg", "wait", "all_gather_object",
     "broadcast_object",
 ]
 
 
+class Dim(enum.Enum):
+    """Which of dmuon's process groups a collective runs on."""
+
+    #: The ranks of this rank's replicate row (the 1-D mesh itself when there is no HSDP).
+    SHARD = "shard"
+    #: The ranks of this rank's shard column: same shard index, every replicate row.
+    REPLICATE = "replicate"
+    #: Every rank (checkpoints, plan checks, plain-parameter gradients).
+    WORLD = "world"
+
+
 @dataclass
 class CommContext:
-    """dmuon's process group over one data-parallel mesh dimension, plus the device buffers live on."""
+    """dmuon's private process groups over a (replicate x shard) grid of ranks, and the buffer device.
 
-    group: dist.ProcessGroup
-    #: Global ranks in mesh order: ``global_ranks[i]`` is the process holding mesh coordinate ``i``.
-    global_ranks: tuple[int, ...]
-    #: This process's coordinate in the mesh (the "rank" owners are expressed in).
-    rank: int
+    A 1-D mesh is the grid with one replicate row. Owners are *slots* ``r * shard_size + s`` of the grid;
+    ``grid[r][s]`` is the global rank at replicate index ``r`` and shard index ``s``.
+    """
+
+    grid: tuple[tuple[int, ...], ...]
+    replicate_index: int
+    shard_index: int
+    groups: dict[Dim, dist.ProcessGroup | None]
     device: torch.device
     counter: CommCounter
 
+    # -- geometry --------------------------------------------------------------------------------- #
+    @property
+    def replicate_size(self) -> int:
+        return len(self.grid)
+
+    @property
+    def shard_size(self) -> int:
+        return len(self.grid[0])
+
     @property
     def world_size(self) -> int:
-        return len(self.global_ranks)
+        return self.replicate_size * self.shard_size
 
+    @property
+    def rank(self) -> int:
+        """This process's slot, the unit owners are expressed in (the mesh rank on a 1-D mesh)."""
+        return self.replicate_index * self.shard_size + self.shard_index
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """Global rank of every slot, in slot order."""
+        return tuple(r for row in self.grid for r in row)
+
+    def size(self, dim: Dim) -> int:
+        return {Dim.SHARD: self.shard_size, Dim.REPLICATE: self.replicate_size, Dim.WORLD: self.world_size}[dim]
+
+    def global_rank(self, dim: Dim, index: int) -> int:
+        """Global rank of ``index`` along ``dim`` as seen from this process."""
+        if dim is Dim.SHARD:
+            return self.grid[self.replicate_index][index]
+        if dim is Dim.REPLICATE:
+            return self.grid[index][self.shard_index]
+        return self.grid[index // self.shard_size][index % self.shard_size]
+
+    # -- construction ------------------------------------------------------------------------------ #
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, counter: CommCounter) -> CommContext:
-        """Build a private group with the mesh's ranks (collective over the default group)."""
-        global_ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        backend = dist.get_backend(mesh.get_group())
-        group = dist.new_group(ranks=list(global_ranks), backend=backend)
-        return cls(group, global_ranks, mesh.get_local_rank(), _mesh_device(mesh), counter)
+    def from_meshes(cls, shard_mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, counter: CommCounter) -> CommContext:
+        """Private groups with the meshes' ranks. Collective over the default group.
+
+        With a ``replicate_mesh``, every rank's shard and replicate ranks must form one grid; otherwise
+        every rank raises the same ``ValueError`` before any group is created.
+        """
+        backend = dist.get_backend(shard_mesh.get_group())
+        me = dist.get_rank()
+        row = tuple(int(r) for r in shard_mesh.mesh.flatten().tolist())
+        if replicate_mesh is None:
+            grid: tuple[tuple[int, ...], ...] = (row,)
+        else:
+            col = tuple(int(r) for r in replicate_mesh.mesh.flatten().tolist())
+            views: list[object] = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (me, row, col))
+            grid = _grid_from_views(views)  # type: ignore[arg-type]
+        r_idx = next(i for i, rr in enumerate(grid) if me in rr)
+        s_idx = grid[r_idx].index(me)
+        groups: dict[Dim, dist.ProcessGroup | None] = {}
+        # new_group is collective over the default group: every rank creates every row and column, in order
+        for r, ranks in enumerate(grid):
+            g = dist.new_group(ranks=list(ranks), backend=backend)
+            if r == r_idx:
+                groups[Dim.SHARD] = g
+        if len(grid) == 1:
+            groups[Dim.REPLICATE] = None
+            groups[Dim.WORLD] = groups[Dim.SHARD]
+        else:
+            for s in range(len(grid[0])):
+                g = dist.new_group(ranks=[grid[r][s] for r in range(len(grid))], backend=backend)
+                if s == s_idx:
+                    groups[Dim.REPLICATE] = g
+            groups[Dim.WORLD] = dist.new_group(ranks=[r for rr in grid for r in rr], backend=backend)
+        return cls(grid, r_idx, s_idx, groups, _mesh_device(shard_mesh), counter)
+
+
+def _grid_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
+    """``grid[r][s]`` from each rank's (rank, shard-mesh ranks, replicate-mesh ranks), or a ValueError."""
+    world = sorted(v[0] for v in views)
+    S, R = len(views[0][1]), len(views[0][2])
+    problem = None
+    if any(len(row) != S or len(col) != R for _, row, col in views) or R * S != len(world):
+        problem = f"sizes differ or do not multiply to the world size {len(world)}"
+    grid: list[list[int | None]] = [[None] * S for _ in range(R)]
+    if problem is None:
+        for rank, row, col in views:
+            if rank not in row or rank not in col:
+                problem = f"rank {rank} is missing from its own meshes"
+                break
+            r, s = col.index(rank), row.index(rank)
+            if grid[r][s] is not None:
+                problem = f"ranks {grid[r][s]} and {rank} claim the same cell (replicate {r}, shard {s})"
+                break
+            grid[r][s] = rank
+    if problem is None:
+        by_rank = {rank: (row, col) for rank, row, col in views}
+        for r in range(R):
+            for s in range(S):
+                rank = grid[r][s]
+                row, col = by_rank[rank]  # type: ignore[index]
+                if row != tuple(grid[r]) or col != tuple(grid[rr][s] for rr in range(R)):
+                    problem = f"rank {rank}'s shard ranks {row} / replicate ranks {col} do not line up"
+                    break
+            if problem:
+                break
+    if problem is not None:
+        raise ValueError(
+            "dmuon.dedicate_params: the replicate mesh's ranks do not complete the shard mesh to a grid "
+            f"({problem}). Pass the two dimensions of one 2-D mesh, e.g. mesh['shard'] and "
+            "mesh['replicate'] of init_device_mesh(..., (R, S), mesh_dim_names=('replicate', 'shard'))."
+        )
+    return tuple(tuple(int(x) for x in row) for row in grid)  # type: ignore[arg-type]
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -65,36 +177,42 @@ class PendingComm(NamedTuple):
     tensor: torch.Tensor
 
 
-def broadcast(ctx: CommContext, tensor: torch.Tensor, src: int, kind: CommKind, label: str = "") -> PendingComm:
-    """Broadcast ``tensor`` in place from mesh rank ``src`` to all ranks (asynchronously)."""
-    ctx.counter.record(kind, tensor.numel())
-    if ctx.world_size == 1:
+def broadcast(ctx: CommContext, tensor: torch.Tensor, src: int, kind: CommKind, label: str = "",
+              dim: Dim = Dim.SHARD) -> PendingComm:
+    """Broadcast ``tensor`` in place from index ``src`` along ``dim`` (asynchronously).
+
+    Over a dimension of size 1 nothing moves and nothing is counted."""
+    if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    with record_function(f"dmuon::broadcast ({label})"):
-        work = dist.broadcast(tensor, src=ctx.global_ranks[src], group=ctx.group, async_op=True)
+    ctx.counter.record(kind, tensor.numel(), dim.value)
+    with record_function(f"dmuon::broadcast[{dim.value}] ({label})"):
+        work = dist.broadcast(tensor, src=ctx.global_rank(dim, src), group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)
 
 
-def reduce_avg(ctx: CommContext, tensor: torch.Tensor, dst: int, kind: CommKind, label: str = "") -> PendingComm:
-    """Average ``tensor`` over all ranks into mesh rank ``dst`` (asynchronously).
+def reduce_avg(ctx: CommContext, tensor: torch.Tensor, dst: int, kind: CommKind, label: str = "",
+               dim: Dim = Dim.SHARD) -> PendingComm:
+    """Average ``tensor`` along ``dim`` into index ``dst`` (asynchronously).
 
     Only the destination's buffer is meaningful afterwards; some backends overwrite the others'.
     """
-    ctx.counter.record(kind, tensor.numel())
-    if ctx.world_size == 1:
+    if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    with record_function(f"dmuon::reduce ({label})"):
-        work = dist.reduce(tensor, dst=ctx.global_ranks[dst], op=dist.ReduceOp.AVG, group=ctx.group, async_op=True)
+    ctx.counter.record(kind, tensor.numel(), dim.value)
+    with record_function(f"dmuon::reduce[{dim.value}] ({label})"):
+        work = dist.reduce(tensor, dst=ctx.global_rank(dim, dst), op=dist.ReduceOp.AVG, group=ctx.groups[dim],
+                           async_op=True)
     return PendingComm(work, tensor)
 
 
-def all_reduce_avg(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label: str = "") -> PendingComm:
-    """Average ``tensor`` over all ranks, in place on every rank (asynchronously)."""
-    ctx.counter.record(kind, tensor.numel())
-    if ctx.world_size == 1:
+def all_reduce_avg(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label: str = "",
+                   dim: Dim = Dim.WORLD) -> PendingComm:
+    """Average ``tensor`` along ``dim``, in place on every rank (asynchronously)."""
+    if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    with record_function(f"dmuon::all_reduce ({label})"):
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=ctx.group, async_op=True)
+    ctx.counter.record(kind, tensor.numel(), dim.value)
+    with record_function(f"dmuon::all_reduce[{dim.value}] ({label})"):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)
 
 
@@ -106,18 +224,18 @@ def wait(pending: PendingComm) -> torch.Tensor:
 
 
 def all_gather_object(ctx: CommContext, obj: object) -> list[object]:
-    """Gather a small picklable object from every rank (used once, to verify plans agree)."""
+    """Gather a small picklable object from every rank (plan checks, checkpoint metadata)."""
     out: list[object] = [None] * ctx.world_size
     if ctx.world_size == 1:
         return [obj]
-    dist.all_gather_object(out, obj, group=ctx.group)
+    dist.all_gather_object(out, obj, group=ctx.groups[Dim.WORLD])
     return out
 
 
 def broadcast_object(ctx: CommContext, obj: object, src: int) -> object:
-    """Send a small picklable object from mesh rank ``src`` to every rank (metadata, never tensors)."""
+    """Send a small picklable object from slot ``src`` to every rank (metadata, never tensors)."""
     if ctx.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=ctx.global_ranks[src], group=ctx.group)
+    dist.broadcast_object_list(box, src=ctx.global_rank(Dim.WORLD, src), group=ctx.groups[Dim.WORLD])
     return box[0]

@@ -217,6 +217,16 @@ class DMuonState:
             g.backward_pending = False
             g.reshard()
 
+    def publish_updates(self) -> None:
+        """HSDP: owners start sending updated weights to the other replicate rows' holders (async)."""
+        for g in self.groups:
+            g.publish()
+
+    def wait_all_replicate_broadcasts(self) -> None:
+        """HSDP: finish every pending publish (collective; a no-op on a 1-D mesh)."""
+        for g in self.groups:
+            g.wait_all_publishes()
+
     def all_reduce_replicated_grads(self) -> None:
         """Average gradients of trainable params that neither dmuon nor FSDP2 manages (a model, or part of
         one, without ``fully_shard``), like DDP would. One coalesced all-reduce; a trailing flag per param

@@ -30,11 +30,11 @@ def wait_all_reduces(model: nn.Module) -> None:
 
 
 def broadcast_all_updates(model: nn.Module) -> None:
-    """Make the owners' current weights the ones every rank will compute with.
+    """Make the owners' current weights the ones every rank will compute with. Collective.
 
-    On a 1-D mesh weights travel lazily: this drops every non-owner copy, so the next forward of each
-    boundary broadcasts the owners' up-to-date tensors. Call it after changing owned weights by hand
-    (``Muon.step()`` already does).
+    Under HSDP the owners publish to their column's holders (asynchronously; the next forward waits);
+    then every non-holder copy is dropped, so the next forward of each boundary broadcasts up-to-date
+    tensors. Call it after changing owned weights by hand (``Muon.step()`` already does).
 
     Example::
 
@@ -43,21 +43,22 @@ def broadcast_all_updates(model: nn.Module) -> None:
                 p.mul_(0.5)
         dmuon.broadcast_all_updates(model)
     """
-    get_state(model).reshard_all()
+    state = get_state(model)
+    state.publish_updates()
+    state.reshard_all()
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Finish every pending post-step publish of updated weights over the replicate dimension (HSDP in
-    async mode) so a checkpoint sees the new weights. On a 1-D mesh updates travel only inside forward,
-    so nothing is ever pending and this returns at once; it is safe to call unconditionally, and the
-    state-dict functions call it themselves.
+    """Finish every pending post-step publish of updated weights over the replicate dimension (HSDP with
+    ``replicate_async=True``), so every holder has the new weights. Collective. On a 1-D mesh nothing is
+    ever pending and it returns at once. The state-dict functions call it themselves.
 
     Example::
 
         dmuon.wait_all_replicate_broadcasts(model)
         model_sd = dmuon.get_model_state_dict(model)
     """
-    get_state(model)  # a model without dmuon state is a usage error either way
+    get_state(model).wait_all_replicate_broadcasts()
 
 
 def get_dedicated_params(model: nn.Module) -> dict[str, nn.Parameter]:

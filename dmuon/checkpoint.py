@@ -67,6 +67,7 @@ def _prepare(model: nn.Module) -> DMuonState:
     state = get_state(model)
     state.bind_if_needed()
     state.wait_all_reduces()
+    state.wait_all_replicate_broadcasts()
     state.reshard_all()
     for m in _fsdp_modules(model):
         m.reshard()  # type: ignore[operator]
@@ -141,7 +142,7 @@ def _bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torc
         buf = value.detach().to(state.ctx.device, dtype).clone()
     else:
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
-    return C.wait(C.broadcast(state.ctx, buf, _rank0_coord(state), CommKind.CHECKPOINT, label))
+    return C.wait(C.broadcast(state.ctx, buf, _rank0_coord(state), CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
 
 
 def _scatter_dtensor(like: DTensor, full: torch.Tensor | None, mode: _Mode, state: DMuonState,
@@ -197,7 +198,7 @@ def get_model_state_dict(
                 assert e.dp is not None
                 buf = (e.tensor.detach().clone() if mine
                        else torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device=ctx.device))
-                value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key))
+                value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
             else:
@@ -286,7 +287,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 else:
                     e.tensor.copy_(_bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape,
                                                      e.tensor.dtype, e.key))
-    state.reshard_all()  # non-owner copies (none should exist) must not outlive new owner values
+    # HSDP: the other rows' holders take the owners' new values now; no stale copy survives anywhere
+    state.publish_updates()
+    state.wait_all_replicate_broadcasts()
+    state.reshard_all()
 
 
 # --------------------------------------------------------------------------------------------------- #
@@ -389,7 +393,8 @@ def get_optimizer_state_dict(
             for k, shape, dtype in muon_meta[dp.fqn]:
                 buf = (opt.state[dp.param][k].detach().clone() if mine
                        else torch.empty(shape, dtype=dtype, device=ctx.device))
-                entry[k] = finish(C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}")))
+                entry[k] = finish(C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}",
+                                                     dim=C.Dim.WORLD)))
             out_state[dp.fqn] = entry
         for name, p, _ in _adamw_params(opt):
             st = opt.state.get(p)

@@ -84,6 +84,7 @@ def dedicate_params(
     mesh: DeviceMesh,
     predicate: Predicate | None = None,
     *,
+    replicate_mesh: DeviceMesh | None = None,
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
     hook_boundary_strict: bool = True,
     reshard_after_forward: bool = True,
@@ -97,7 +98,13 @@ def dedicate_params(
 
     Args:
         model: the root module (the one you later pass to :class:`dmuon.Muon`).
-        mesh: 1-D data-parallel ``DeviceMesh`` spanning every rank (e.g. ``mesh["dp"]``).
+        mesh: 1-D data-parallel ``DeviceMesh`` spanning every rank (e.g. ``mesh["dp"]``); or, for HSDP,
+            the shard dimension (``hsdp["shard"]``) with ``replicate_mesh``, or one 2-D mesh whose dims
+            are named ``("replicate", "shard")``.
+        replicate_mesh: HSDP's replicate dimension (``hsdp["replicate"]``). Each dedicated tensor then
+            has one owner over all replicate x shard ranks; the ranks of its shard column keep a copy,
+            gradients reduce over the shard group then the replicate group, and ``Muon.step()``
+            publishes updates over the replicate group.
         predicate: ``predicate(fqn, param) -> bool`` selects dedicated params; they must be 2-D and
             trainable. Default: the weight of every ``nn.Linear`` inside a ``layers.N``/``blocks.N`` block.
         hook_boundary_predicate: ``fn(module) -> bool``; a param's boundary becomes its lowest ancestor
@@ -129,15 +136,23 @@ def dedicate_params(
         raise RuntimeError("dmuon.dedicate_params needs torch.distributed initialised (dist.init_process_group).")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"dmuon.dedicate_params: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("replicate", "shard"):
+        mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
     if mesh.ndim != 1:
         raise ValueError(
-            f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']); got a "
-            f"{mesh.ndim}-D mesh {tuple(mesh.shape)}."
+            f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']) or a 2-D "
+            f"HSDP mesh with dims named ('replicate', 'shard'); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
+            f"with dims {mesh.mesh_dim_names}."
         )
-    if mesh.size() != dist.get_world_size():
+    if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
+        raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    if mesh.size() * replicas != dist.get_world_size():
         raise ValueError(
-            f"dmuon.dedicate_params: the mesh has {mesh.size()} ranks but the default process group has "
-            f"{dist.get_world_size()}; dmuon currently needs a 1-D data-parallel mesh over every rank."
+            f"dmuon.dedicate_params: the mesh has {mesh.size()} ranks"
+            + (f" x {replicas} replicas" if replicate_mesh is not None else "")
+            + f" but the default process group has {dist.get_world_size()}; dmuon needs its data-parallel "
+            "mesh (with replicate_mesh for HSDP) to cover every rank."
         )
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
@@ -193,10 +208,10 @@ def dedicate_params(
         for fqn, mp, *_ in selected
     }
     specs = [ParamSpec(fqn, (int(p.shape[0]), int(p.shape[1])), boundary_of[fqn]) for fqn, _, _, _, p in selected]
-    plan = assign_owners(specs, mesh.size())
+    plan = assign_owners(specs, mesh.size() * replicas)
 
-    # ---------------- collective preflight: every rank must hold the same plan ---------------- #
-    ctx = C.CommContext.from_mesh(mesh, CommCounter())
+    # ---------------- collective preflight: grid of ranks, and the same plan everywhere ---------------- #
+    ctx = C.CommContext.from_meshes(mesh, replicate_mesh, CommCounter())
     # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
     # model fails here instead of hanging in its first broadcast.
     fingerprint = hashlib.sha256(repr((plan.digest(), specs)).encode()).hexdigest()

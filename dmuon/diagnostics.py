@@ -11,13 +11,14 @@ Example::
     dmuon.diagnostics.reset_comm_counts(model)
     loss = model(batch).loss; loss.backward(); optimizer.step()
     print(dmuon.diagnostics.comm_counts(model))
-    # {'forward_broadcast': {'elements': 4096, 'calls': 4}, 'backward_broadcast': ..., 'reduce': ...}
+    # {'forward_broadcast': {'elements': 4096, 'calls': 4, 'by_dim': {'shard': {...}}}, 'reduce': ...}
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -31,8 +32,11 @@ class CommKind(enum.Enum):
     FORWARD_BROADCAST = "forward_broadcast"
     #: Owner -> everyone again before backward (Z3 only: the copy was freed after forward).
     BACKWARD_BROADCAST = "backward_broadcast"
-    #: Everyone -> owner, the averaged gradient of a bucket.
+    #: Everyone -> owner, the averaged gradient of a bucket (under HSDP: over the shard group to the
+    #: owner's column, then over the replicate group to the owner; ``by_dim`` tells them apart).
     REDUCE = "reduce"
+    #: HSDP: the owner's updated tensor to the other replicate rows' holders, after ``step()``.
+    REPLICATE_PUBLISH = "replicate_publish"
     #: All-reduce of gradients of plain (neither dedicated nor FSDP2-sharded) parameters.
     REPLICATED_GRAD_ALL_REDUCE = "replicated_grad_all_reduce"
     #: Tensors moved by the state-dict functions (gathering to or scattering from full tensors).
@@ -41,22 +45,35 @@ class CommKind(enum.Enum):
 
 @dataclass
 class CommCounter:
-    """Running totals per :class:`CommKind`."""
+    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``)."""
 
-    elements: dict[CommKind, int] = field(default_factory=lambda: {k: 0 for k in CommKind})
-    calls: dict[CommKind, int] = field(default_factory=lambda: {k: 0 for k in CommKind})
+    elements: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
 
-    def record(self, kind: CommKind, numel: int) -> None:
-        self.elements[kind] += int(numel)
-        self.calls[kind] += 1
+    def record(self, kind: CommKind, numel: int, dim: str) -> None:
+        key = (kind, dim)
+        self.elements[key] = self.elements.get(key, 0) + int(numel)
+        self.calls[key] = self.calls.get(key, 0) + 1
 
     def reset(self) -> None:
-        for k in CommKind:
-            self.elements[k] = 0
-            self.calls[k] = 0
+        self.elements.clear()
+        self.calls.clear()
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {k.value: {"elements": self.elements[k], "calls": self.calls[k]} for k in CommKind}
+    def as_dict(self) -> dict[str, Any]:
+        """``{kind: {"elements", "calls", "by_dim": {dim: {"elements", "calls"}}}}``, totals over dims."""
+        out: dict[str, Any] = {}
+        for kind in CommKind:
+            by_dim = {
+                dim: {"elements": self.elements[(k, dim)], "calls": self.calls[(k, dim)]}
+                for (k, dim) in sorted(self.elements, key=lambda kd: kd[1])
+                if k is kind
+            }
+            out[kind.value] = {
+                "elements": sum(d["elements"] for d in by_dim.values()),
+                "calls": sum(d["calls"] for d in by_dim.values()),
+                "by_dim": by_dim,
+            }
+        return out
 
 
 def _counter(model: nn.Module) -> CommCounter:
@@ -65,7 +82,7 @@ def _counter(model: nn.Module) -> CommCounter:
     return get_state(model).counter
 
 
-def comm_counts(model: nn.Module) -> dict[str, dict[str, int]]:
+def comm_counts(model: nn.Module) -> dict[str, Any]:
     """Totals since the last :func:`reset_comm_counts` for a model prepared by ``dedicate_params``.
 
     Example::

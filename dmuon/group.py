@@ -10,6 +10,15 @@ Autograd saves views of a weight for backward. Swapping ``p.data`` would leave t
 through those views; resizing the shared storage to 0 bytes really frees it, and resizing it back and
 broadcasting into it refills exactly what the saved views read.
 
+[Note: HSDP]
+Owners are slots of a (replicate x shard) grid. Every rank of the owner's shard *column* (same shard
+index, every replicate row) is a *holder* and keeps the full tensor, so each row broadcasts it from its
+own holder over its shard group. Gradients reduce in two stages: over the shard group to the row's
+holder, then over the replicate group to the owner (net divisor: the world size). After ``step()`` the
+owner publishes the new tensor to the other holders over the replicate group, asynchronously by
+default; a bucket's next broadcast first waits for that publish. A 1-D mesh is the one-row grid: every
+holder is the owner and the replicate stages vanish.
+
 [Note: gradients]
 The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
 the module ran twice or under activation checkpointing). When every parameter of the group has one, the
@@ -45,7 +54,7 @@ class GroupState(enum.Enum):
     UNSHARDING = "unsharding"
     #: Every rank holds the full weights (during forward; kept until backward under Z2).
     UNSHARDED = "unsharded"
-    #: Gradient reduces are in flight; non-owners already dropped weights and gradients.
+    #: Gradient reduces are in flight; non-holders already dropped weights and gradients.
     REDUCING = "reducing"
 
 
@@ -61,6 +70,7 @@ class DedicatedParam:
     fqn: str
     module: nn.Module
     name: str
+    #: The owner's slot ``replicate_index * shard_size + shard_index`` (the mesh rank on a 1-D mesh).
     owner: int
     shape: torch.Size
     #: The parameter object currently bound to a bucket (``None`` until the first bind).
@@ -79,20 +89,41 @@ class DedicatedParam:
 
 @dataclass(eq=False)
 class Bucket:
-    """The dedicated params of one boundary that share an owner and a dtype: one collective each way."""
+    """The dedicated params of one boundary whose owners share a shard column (on a 1-D mesh: one
+    owner) and a dtype: one broadcast and one shard-group reduce each. Params are ordered by owner row,
+    so each owner's params form one contiguous *segment* for the replicate-group collectives."""
 
-    owner: int
+    #: Shard index of the holders: the source of the row broadcasts, the target of the row reduce.
+    column: int
     params: list[DedicatedParam]
     offsets: list[int]
     numel: int
-    #: Flat buffer the params view into; its storage is 0 bytes on non-owners while sharded.
+    #: Flat buffer the params view into; its storage is 0 bytes on non-holders while sharded.
     flat: torch.Tensor | None = None
-    #: In-flight gradient reduce: the buffer and the params it covers (their order in the buffer).
+    #: In-flight gradient reduce (stage 1): the buffer and the params it covers, in buffer order.
     pending_reduce: tuple[C.PendingComm, list[DedicatedParam]] | None = None
+    #: In-flight publishes of updated weights over the replicate group (holders only).
+    pending_publish: list[C.PendingComm] = field(default_factory=list)
+    #: Holders' copies not yet synced from the owners (after a bind or a checkpoint load).
+    stale: bool = False
 
     def nbytes(self) -> int:
         assert self.flat is not None
         return self.numel * self.flat.element_size()
+
+
+def _segments(dps: Sequence[DedicatedParam], shard_size: int) -> list[tuple[int, int, int]]:
+    """``(owner_row, start, end)`` element ranges of consecutive params with the same owner row."""
+    out: list[tuple[int, int, int]] = []
+    off = 0
+    for dp in dps:
+        row, n = dp.owner // shard_size, dp.shape.numel()
+        if out and out[-1][0] == row:
+            out[-1] = (row, out[-1][1], off + n)
+        else:
+            out.append((row, off, off + n))
+        off += n
+    return out
 
 
 class BoundaryGroup:
@@ -112,21 +143,26 @@ class BoundaryGroup:
         self.params = list(params)
         self.ctx = ctx
         self.reshard_after_forward = reshard_after_forward
-        by_owner: dict[int, list[DedicatedParam]] = {}
+        S = ctx.shard_size
+        by_column: dict[int, list[DedicatedParam]] = {}
         for dp in self.params:
-            by_owner.setdefault(dp.owner, []).append(dp)
+            by_column.setdefault(dp.owner % S, []).append(dp)
         self.buckets = []
-        for owner in sorted(by_owner):
-            dps = by_owner[owner]
+        for column in sorted(by_column):
+            dps = sorted(by_column[column], key=lambda dp: dp.owner // S)  # stable: plan order within a row
             offsets, total = [], 0
             for dp in dps:
                 offsets.append(total)
                 total += dp.shape.numel()
-            self.buckets.append(Bucket(owner, dps, offsets, total))
+            self.buckets.append(Bucket(column, dps, offsets, total))
         self.state = GroupState.SHARDED
         self.backward_pending = False
         self._bound = False
         self._pending_unshard: list[C.PendingComm] = []
+
+    def is_holder(self, b: Bucket) -> bool:
+        """Whether this rank keeps ``b``'s full weights (it sits in the owners' shard column)."""
+        return self.ctx.shard_index == b.column
 
     # ------------------------------------------------------------------ #
     # Binding (parameters <-> bucket buffers)                              #
@@ -157,7 +193,7 @@ class BoundaryGroup:
                             f"dtype; {dp.fqn} is {p.dtype}, expected {dtype}."
                         )
                     view = flat[off : off + dp.shape.numel()].view(dp.shape)
-                    if b.owner == self.ctx.rank:
+                    if self.is_holder(b):
                         view.copy_(p.detach())
                     for h in dp.handles:
                         h.remove()
@@ -168,9 +204,12 @@ class BoundaryGroup:
                     dp.local_grad = dp.stashed_grad = None
                     dp.grad_is_reduced = False
                     register_hooks(dp)
-                if b.owner != self.ctx.rank:
+                if not self.is_holder(b):
                     flat.untyped_storage().resize_(0)
                 b.flat = flat
+                b.pending_publish.clear()
+                # other rows' holders may have initialised differently: the owners' values win
+                b.stale = self.ctx.replicate_size > 1
         self.state = GroupState.SHARDED
         self._bound = True
 
@@ -185,9 +224,11 @@ class BoundaryGroup:
             return
         for b in self.buckets:
             assert b.flat is not None
-            if b.owner != self.ctx.rank:
+            if self.is_holder(b):
+                self.sync_holders(b)
+            else:
                 b.flat.untyped_storage().resize_(b.nbytes())
-            self._pending_unshard.append(C.broadcast(self.ctx, b.flat, b.owner, kind, self.fqn))
+            self._pending_unshard.append(C.broadcast(self.ctx, b.flat, b.column, kind, self.fqn))
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -210,10 +251,54 @@ class BoundaryGroup:
         if self.state is not GroupState.UNSHARDED:
             return
         for b in self.buckets:
-            if b.owner != self.ctx.rank:
+            if not self.is_holder(b):
                 assert b.flat is not None
                 b.flat.untyped_storage().resize_(0)
         self.state = GroupState.SHARDED
+
+    # ------------------------------------------------------------------ #
+    # HSDP: holders of other replicate rows follow the owner               #
+    # ------------------------------------------------------------------ #
+    def publish(self) -> None:
+        """Owners send updated weights to their column's other holders (async; holders only)."""
+        if self.ctx.replicate_size == 1:
+            return
+        for b in self.buckets:
+            if not self.is_holder(b):
+                continue
+            assert b.flat is not None
+            self.wait_publish(b)
+            for row, start, end in _segments(b.params, self.ctx.shard_size):
+                b.pending_publish.append(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH,
+                                                     self.fqn, dim=C.Dim.REPLICATE))
+            b.stale = False
+
+    def wait_publish(self, b: Bucket) -> None:
+        for pending in b.pending_publish:
+            C.wait(pending)
+        b.pending_publish.clear()
+
+    def sync_holders(self, b: Bucket) -> None:
+        """Before a holder broadcasts ``b`` in its row: finish (or, if stale, make) the owners' publish."""
+        if b.stale:
+            self.publish_bucket_now(b)
+        self.wait_publish(b)
+
+    def publish_bucket_now(self, b: Bucket) -> None:
+        assert b.flat is not None
+        self.wait_publish(b)
+        for row, start, end in _segments(b.params, self.ctx.shard_size):
+            C.wait(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH, self.fqn,
+                               dim=C.Dim.REPLICATE))
+        b.stale = False
+
+    def wait_all_publishes(self) -> None:
+        """Holders: every pending or owed publish done (collective over each bucket's replicate group)."""
+        if self.state is GroupState.REDUCING:
+            self.finish_reduce()
+        for b in self.buckets:
+            if self.is_holder(b):
+                self.sync_holders(b)
 
     # ------------------------------------------------------------------ #
     # Gradients                                                            #
@@ -238,27 +323,38 @@ class BoundaryGroup:
             flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
             for dp in ready:
                 dp.local_grad = None
-            b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.owner, CommKind.REDUCE, self.fqn), ready)
+            b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.column, CommKind.REDUCE, self.fqn), ready)
         self.backward_pending = False
         self.reshard()
         self.state = GroupState.REDUCING
 
     def finish_reduce(self) -> None:
-        """Wait for the reduces; the owner's params get the averaged gradient (REDUCING -> SHARDED)."""
+        """Wait for the row reduces; holders reduce over the replicate group (HSDP); each owner's params
+        get the averaged gradient (REDUCING -> SHARDED)."""
         if self.state is not GroupState.REDUCING:
             return
+        S = self.ctx.shard_size
         for b in self.buckets:
             if b.pending_reduce is None:
                 continue
             pending, ready = b.pending_reduce
             b.pending_reduce = None
             flat_grad = C.wait(pending)
-            if b.owner != self.ctx.rank:
+            if not self.is_holder(b):
                 continue
+            stage2 = [
+                C.reduce_avg(self.ctx, flat_grad[start:end], row, CommKind.REDUCE, self.fqn, dim=C.Dim.REPLICATE)
+                for row, start, end in _segments(ready, S)
+            ]
+            for p2 in stage2:
+                C.wait(p2)
             off = 0
             for dp in ready:
                 n = dp.shape.numel()
                 assert dp.param is not None
+                if dp.owner != self.ctx.rank:
+                    off += n
+                    continue
                 g = flat_grad[off : off + n].view(dp.shape).to(dp.param.dtype)
                 off += n
                 if dp.stashed_grad is not None:
@@ -274,7 +370,7 @@ class BoundaryGroup:
     def holds_weight_storage(self) -> bool:
         """Whether this rank currently holds storage for any weight it does not own."""
         return any(
-            b.owner != self.ctx.rank and b.flat is not None and b.flat.untyped_storage().nbytes() > 0
+            not self.is_holder(b) and b.flat is not None and b.flat.untyped_storage().nbytes() > 0
             for b in self.buckets
         )
 

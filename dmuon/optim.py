@@ -118,6 +118,9 @@ class Muon(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's ``lr``, ``betas``, ``eps``,
             ``weight_decay`` (defaults 1e-3, (0.9, 0.999), 1e-8, 0.01, as ``torch.optim.AdamW``).
         adamw_foreach, adamw_fused: passed to ``torch.optim.AdamW``.
+        replicate_async: HSDP only: after the update each owner publishes the new tensor over the
+            replicate group; ``True`` (default) returns without waiting (the first forward that needs it
+            waits), ``False`` waits inside ``step()``. Results are identical either way.
 
     Example::
 
@@ -152,6 +155,7 @@ class Muon(torch.optim.Optimizer):
         *,
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
+        replicate_async: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -198,6 +202,7 @@ class Muon(torch.optim.Optimizer):
         # our param_groups drive AdamW too.
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused, **adamw_hparams)
         self._dmuon_state: DMuonState = state
+        self.replicate_async = bool(replicate_async)
         self._generation = state.generation
         self._building = True
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
@@ -231,7 +236,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Wait for gradient reduces, apply Muon (owners) and AdamW, then invalidate non-owner copies."""
+        """Wait for gradient reduces, apply Muon (owners) and AdamW, publish (HSDP), drop stale copies."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -259,5 +264,8 @@ class Muon(torch.optim.Optimizer):
                     ns_coefficients=group["ns_coefficients"], eps=group["eps"], adjust_lr_fn=adjust,
                 )
         self._adamw.step()
+        state.publish_updates()
+        if not self.replicate_async:
+            state.wait_all_replicate_broadcasts()
         state.reshard_all()
         return loss
