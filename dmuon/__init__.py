@@ -15,6 +15,7 @@ from .api import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
+from .clip import clip_grad_norm_
 from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from .dedicate import dedicate_params
 from .group import GroupState
@@ -27,6 +28,7 @@ __all__ = [
     "OwnerPlan",
     "GroupState",
     "broadcast_all_updates",
+    "clip_grad_norm_",
     "dedicate_params",
     "diagnostics",
     "get_dedicated_params",

@@ -1,0 +1,88 @@
+"""dmuon.clip_grad_norm_: the global norm over dedicated (owner-held), FSDP2 DTensor and plain gradients
+equals torch.nn.utils.clip_grad_norm_ on one process, on every rank, 1-D and HSDP, and clipped training
+still matches the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from tests._dist import run_distributed
+from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate
+
+STEPS = 4
+MAX_NORM = 0.5  # below the gradient norms of this model, so clipping really happens
+
+
+def _oracle() -> dict:
+    model = build_model()
+    muon = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
+    other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
+    om = torch.optim.Muon(muon, lr=0.01, weight_decay=0.01, ns_coefficients=KJ)
+    oa = torch.optim.AdamW(other, lr=1e-3)
+    norms, losses, inf_norms = [], [], []
+    for tok, tgt in batches(STEPS):
+        om.zero_grad()
+        oa.zero_grad()
+        loss = model(tok, tgt).loss
+        loss.backward()
+        inf_norms.append(max(p.grad.abs().max().item() for p in model.parameters()))
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        om.step()
+        oa.step()
+        losses.append(loss.item())
+    return {"norms": norms, "losses": losses, "inf_norms": inf_norms,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def clip_job(rank: int, world: int, layout: str) -> dict:
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    model = build_model()
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    if layout != "plain":
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3)
+    per = GLOBAL_BATCH // world
+    norms, inf_norms, losses = [], [], []
+    for tok, tgt in batches(STEPS):
+        opt.zero_grad()
+        loss = model(tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]).loss
+        loss.backward()
+        # the infinity norm first, with a bound it never reaches, so it clips nothing
+        inf_norms.append(dmuon.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
+        norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())
+        opt.step()
+        logged = loss.detach().clone()
+        torch.distributed.all_reduce(logged, op=torch.distributed.ReduceOp.AVG)
+        losses.append(logged.item())
+    return {"norms": norms, "inf_norms": inf_norms, "losses": losses, "weights": full_weights(model)}
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:
+    return _oracle()
+
+
+@pytest.mark.parametrize("world, layout", [(2, "fsdp"), (2, "plain"), (4, "hsdp")])
+def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout):
+    results = run_distributed(clip_job, world, layout)
+    assert oracle["norms"][0] > MAX_NORM, "the test must actually clip"
+    for rank, r in enumerate(results):
+        assert r["norms"] == results[0]["norms"], f"rank {rank} sees another norm"
+        # step 0 has identical weights, so the norm must match to float rounding
+        assert abs(r["norms"][0] - oracle["norms"][0]) <= 1e-5 * oracle["norms"][0], (r["norms"][0], oracle["norms"][0])
+        assert abs(r["inf_norms"][0] - oracle["inf_norms"][0]) <= 1e-5 * oracle["inf_norms"][0]
+        for step, (got, want) in enumerate(zip(r["norms"], oracle["norms"])):
+            assert abs(got - want) / want <= 1e-3, f"{layout} step {step}: {got} vs {want}"
+        for step, (got, want) in enumerate(zip(r["losses"], oracle["losses"])):
+            assert abs(got - want) / want <= 1e-4, f"{layout} step {step}: {got} vs {want}"
+        for k, want in oracle["weights"].items():
+            assert ((r["weights"][k] - want).norm() / want.norm()).item() <= 5e-3, k
