@@ -18,6 +18,7 @@ steps. It spawns its own ranks: 2 on CPU (gloo) by default, or one per GPU (NCCL
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -243,6 +244,9 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
                 json.dump({"dmuon": curve_a, "adamw": curve_b, "floor": task.entropy, "settings": asdict(s),
                            "plan": plan.as_dict()}, f)
         dist.barrier()
+        # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
+        del model_a, model_b, opt_a, opt_b, loss_a, loss_b
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ did not decrease.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -121,6 +122,11 @@ def main() -> int:
             print(f"custom_loop: OK loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         else:
             print(f"custom_loop: FAILED loss did not decrease ({losses[0]:.4f} -> {losses[-1]:.4f})", flush=True)
+    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
+    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
+    # active exception"), with or without dmuon.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 

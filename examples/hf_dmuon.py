@@ -10,6 +10,7 @@ data is synthetic, and it runs on CPU/gloo when there is no GPU. Exits non-zero 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -92,6 +93,11 @@ def main() -> int:
     if dist.get_rank() == 0:
         print(f"hf_dmuon ({args.arch}{', bf16' if args.bf16 else ''}): {'OK' if ok else 'FAILED'} "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
+    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
+    # active exception"), with or without dmuon.
+    del model, optimizer, outputs
+    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 

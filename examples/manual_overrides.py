@@ -10,6 +10,7 @@ model computes the same loss. Exits non-zero if anything differs. CUDA (NCCL) wh
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -94,6 +95,11 @@ def main() -> int:
     if rank == 0:
         os.remove(path)
         print(f"manual_overrides: {'OK' if same else 'FAILED'} restored loss {after:.6f} (original {before:.6f})")
+    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
+    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
+    # active exception"), with or without dmuon.
+    del model, optimizer, fresh_model, fresh_optimizer
+    gc.collect()
     dist.destroy_process_group()
     return 0 if same else 1
 

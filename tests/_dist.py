@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -31,6 +32,8 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        del result
+        gc.collect()  # FSDP2 modules alive at teardown sometimes abort the process on gloo (torch 2.13)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
