@@ -88,6 +88,20 @@ def _check_nonneg(name: str, value: float) -> None:
         raise ValueError(f"dmuon.Muon: {name} must be a finite number >= 0, got {value!r}")
 
 
+def _activate_framework_glue() -> None:
+    """Install the Trainer/Accelerate glue when the script already uses them, so the seed's Trainer recipe
+    needs no extra line; never imports transformers or accelerate itself."""
+    import sys
+    import warnings
+
+    if "transformers" not in sys.modules and "accelerate" not in sys.modules:
+        return
+    try:
+        from .integrations import hf  # noqa: F401  (importing installs the glue)
+    except (ImportError, RuntimeError) as e:
+        warnings.warn(f"dmuon: Trainer/Accelerate glue not installed: {e}", stacklevel=3)
+
+
 class Muon(torch.optim.Optimizer):
     r"""Muon for dedicated matrices (on their owner rank), AdamW for everything else.
 
@@ -209,6 +223,7 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         self._adamw.state = self.state
         state.replicated_params = [p for _, p in replicated]
+        _activate_framework_glue()
 
     # ------------------------------------------------------------------ #
     def add_param_group(self, param_group: dict[str, Any]) -> None:
