@@ -201,6 +201,8 @@ def get_model_state_dict(
                 value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
+                if _same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one
+                    value = value.clone()
             else:
                 value = e.tensor.detach().clone()
             if keep:
@@ -407,7 +409,8 @@ def get_optimizer_state_dict(
             for k in sorted(st):
                 v = st[k]
                 if isinstance(v, DTensor):
-                    entry[k] = finish(v.full_tensor())
+                    full = v.full_tensor()
+                    entry[k] = finish(full.clone() if _same_storage(full, v) else full)
                 elif isinstance(v, torch.Tensor):
                     entry[k] = finish(v.detach().clone())
                 else:

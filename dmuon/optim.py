@@ -198,6 +198,9 @@ class Muon(torch.optim.Optimizer):
         for fqn, p in model.named_parameters():
             if not p.requires_grad or is_dedicated(p):
                 continue
+            # the model's own FQNs, as model.state_dict() spells them (activation-checkpoint wrappers
+            # insert a segment into named_parameters only)
+            fqn = fqn.replace("_checkpoint_wrapped_module.", "")
             (sharded if isinstance(p, DTensor) else replicated).append((fqn, p))
 
         adamw_hparams = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)

@@ -1,0 +1,182 @@
+"""The "torchtitan" integration recipe, runnable as is.
+
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py
+
+torchtitan's debug Llama 3 (``llama3_configs["debugmodel"]``: fused QKV, complex RoPE) goes through
+torchtitan's own components, wired the way its Trainer wires them, with dmuon plugged in at three points:
+
+1. ``with_dmuon(parallelize_llama)``: dmuon dedicates the blocks' matrices, then torchtitan's FSDP2 path
+   (``apply_fsdp_to_decoder`` -> ``fully_shard``) shards everything else;
+2. ``DMuonOptimizersContainer.Config(...)`` where torchtitan builds its optimizers (Muon on the owned
+   matrices, AdamW for the rest), driven by torchtitan's ``LRSchedulersContainer``;
+3. ``DMuonCheckpointManager.Config(...)`` where torchtitan builds its DCP checkpointer.
+
+The loop is ``Trainer.train_step``'s: loss summed per rank and divided by the global token count, backward,
+``torchtitan.distributed.utils.clip_grad_norm_`` (made dmuon-aware by the container), step. With torchtitan's
+``Trainer`` itself, set ``model_spec=dmuon_model_spec(...)`` and the two configs above instead (see the
+docstring of ``dmuon.integrations.torchtitan``).
+
+Runs on CUDA (NCCL) when available, otherwise CPU (gloo); only the CPU path has been run. Attention is
+causal SDPA instead of torchtitan's default flex attention (which has no CPU backward). CPU workarounds:
+torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible), and by default
+only 2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU). The checkpoint goes to a
+temporary folder unless ``--out`` is given. Exits non-zero if the loss did not decrease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+try:
+    import dmuon
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import dmuon
+
+try:
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    import torchtitan.tools.utils as tt_utils
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as tt_dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import llama3_configs, parallelize_llama
+except ImportError as e:
+    sys.exit(f"torchtitan_dmuon: needs torchtitan and triton (pip install torchtitan triton): {e}")
+
+from dmuon.integrations.torchtitan import DMuonCheckpointManager, DMuonOptimizersContainer, with_dmuon
+
+BATCH_PER_RANK = 4
+SEQ_LEN = 64
+
+
+def markov_batch(step: int, global_batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences following a fixed random successor map 90% of the time: quick to learn, and the
+    same global batch on every rank for a given step (each rank then takes its slice)."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(step)
+    tok = torch.empty(global_batch, SEQ_LEN + 1, dtype=torch.long)
+    tok[:, 0] = torch.randint(0, vocab, (global_batch,), generator=gen)
+    noise = torch.randint(0, vocab, (global_batch, SEQ_LEN), generator=gen)
+    keep = torch.rand(global_batch, SEQ_LEN, generator=gen) < 0.9
+    for i in range(SEQ_LEN):
+        tok[:, i + 1] = torch.where(keep[:, i], successor[tok[:, i]], noise[:, i])
+    return tok[:, :-1], tok[:, 1:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the debug model (default: all 6 on CUDA, 2 on CPU)")
+    parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
+                        "folder, removed at exit)")
+    args = parser.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        tt_parallel_dims.device_type = tt_utils.device_type = "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    tt_dist_utils.set_spmd_backend("partial_dtensor")
+
+    # torchtitan: meshes and the debug model, built on the meta device
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # dmuon keeps some params whole
+    training = TrainingConfig(mixed_precision_param="float32", disable_cuda_graphs=True, steps=args.steps)
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    model_config = llama3_configs["debugmodel"](attn_backend="flex")
+    n_layers = args.layers if args.layers is not None else (len(model_config.layers) if use_cuda else 2)
+    model_config.layers = model_config.layers[:n_layers]
+    for layer in model_config.layers:  # causal SDPA: runs on CPU too (flex attention has no CPU backward)
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = model_config.build()
+
+    # 1. dmuon dedicates the matrices, then torchtitan's own parallelize (FSDP2) shards the rest
+    model = with_dmuon(parallelize_llama)(
+        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(), ac_config=None, dump_folder="outputs",
+    )
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+
+    # 2. optimizers and LR schedule where torchtitan builds them
+    optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
+                                                                       training_steps=args.steps)
+    # 3. torchtitan's DCP checkpointer, saving through dmuon
+    holder = [args.out or (tempfile.mkdtemp(prefix="torchtitan_dmuon_") if rank == 0 else None)]
+    dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
+    base_folder = holder[0]
+    checkpointer = DMuonCheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=args.steps, last_save_model_only=False, keep_latest_k=0,
+        initial_load_model_only=False,
+    ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+            states={}, sd_adapter=None, base_folder=base_folder)
+    if rank == 0:
+        dedicated = dmuon.get_dedicated_params(model)
+        print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {world} ranks, "
+              f"{len(dmuon.get_owned_params(model))} on rank 0", flush=True)
+
+    loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
+    vocab = model_config.vocab_size
+    losses: list[float] = []
+    for step in range(1, args.steps + 1):
+        tok, tgt = markov_batch(step, BATCH_PER_RANK * world, vocab)
+        tok = tok[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].to(device)
+        tgt = tgt[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].to(device)
+        global_valid_tokens = torch.tensor(tgt.numel() * world, device=device)
+        optimizers.zero_grad()
+        loss, _ = loss_fn(model(tok), tgt, global_valid_tokens)  # local sum / global token count
+        loss.backward()
+        grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True)
+        optimizers.step()
+        lr_schedulers.step()
+        checkpointer.save(step, last_step=step == args.steps)
+
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)  # the per-rank parts add up to the global mean
+        losses.append(logged.item())
+        if rank == 0:
+            print(f"step {step:>2}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.4f}", flush=True)
+
+    checkpointer.close()
+    ok = losses[-1] < losses[0]
+    dist.barrier()
+    if rank == 0:
+        ckpt = os.path.join(base_folder, "checkpoint", f"step-{args.steps}")
+        print(f"torchtitan_dmuon: saved {ckpt} ({len(os.listdir(ckpt))} files)"
+              + ("" if args.out else "; pass --out DIR to keep it"), flush=True)
+        if not args.out:
+            shutil.rmtree(base_folder)
+        if ok:
+            print(f"torchtitan_dmuon: OK loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        else:
+            print(f"torchtitan_dmuon: FAILED loss did not decrease ({losses[0]:.4f} -> {losses[-1]:.4f})", flush=True)
+    # Free the FSDP2 modules before tearing down the process group (torch 2.13 + gloo can abort at exit
+    # while an FSDP2 model is alive, with or without dmuon).
+    del model, optimizers, lr_schedulers, checkpointer
+    gc.collect()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
