@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if use_cuda else "fp32")]
+    is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes files
     out: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq}
     if args.simulate_world_size:
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
                  f"{r.step_ms / base.step_ms:6.2f} {peak}")
         out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms) for r in results]
-        if args.out and dist.get_rank() == 0:
+        if args.out and is_main:
             os.makedirs(args.out, exist_ok=True)
             try:
                 _chart(results, os.path.join(args.out, "chart.png"))
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 _say("matplotlib not installed: no chart.png")
         dist.barrier()
         dist.destroy_process_group()
-    if args.out and (not dist.is_initialized() or dist.get_rank() == 0):
+    if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(out, f, indent=2)
