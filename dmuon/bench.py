@@ -187,7 +187,7 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The most loaded owner's Muon step under the real W-rank plan vs torch's NS on all matrices / W."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from .optim import AdjustLR, muon_update_
+    from .optim import AdjustLR, muon_update_batch_
     from .partition import assign_owners
     from .presets import projection_specs
 
@@ -215,10 +215,14 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         return 1e3 * statistics.median(samples)
 
     owned = mats(list(busiest.fqns))
-    dmuon_ms = timed(lambda: [muon_update_(w, g, b, lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
-                                           ns_steps=5, ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.ORIGINAL)
-                              for w, g, b in owned])
-    del owned
+    by_shape: dict[tuple, list] = {}
+    for w, g, b in owned:  # as dmuon.Muon.step groups them
+        by_shape.setdefault(tuple(w.shape), []).append((w, g, b))
+    dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp],
+                                                 lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
+                                                 ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.ORIGINAL)
+                              for grp in by_shape.values()])
+    del owned, by_shape
     everything = [g for _, g, _ in mats([s.fqn for s in specs])]
     torch_ms = timed(lambda: [_zeropower_via_newtonschulz(g, KJ, 5, 1e-7) for g in everything])
     return {"world_size": args.simulate_world_size, "busiest_rank": busiest.rank, "busiest_params": len(busiest.fqns),

@@ -139,3 +139,26 @@ def test_state_dict_round_trip_keeps_adamw_wired(single_rank):
     # 14 Muon momenta + AdamW moments of embeddings, 4 block norms, final norm and head, in one dict
     assert single_rank["n_state"] == 14 + 7
     assert single_rank["grads_cleared"]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_update_is_bitwise_one_by_one(nesterov):
+    from dmuon.optim import muon_update_batch_
+
+    gen = torch.Generator().manual_seed(5)
+    ws = [torch.randn(40, 24, generator=gen) for _ in range(3)]
+    gs = [torch.randn(40, 24, generator=gen) for _ in range(3)]
+    one = [w.clone() for w in ws]
+    bufs_one = [torch.zeros_like(w) for w in ws]
+    batch = [w.clone() for w in ws]
+    bufs_batch = [torch.zeros_like(w) for w in ws]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, ns_coefficients=KJ, eps=1e-7,
+              adjust_lr_fn=AdjustLR.ORIGINAL)
+    for _ in range(2):
+        for w, g, b in zip(one, gs, bufs_one):
+            muon_update_(w, g, b, **kw)
+        muon_update_batch_(batch, gs, bufs_batch, **kw)
+    for a, b in zip(one, batch):
+        assert torch.equal(a, b)
+    for a, b in zip(bufs_one, bufs_batch):
+        assert torch.equal(a, b)
