@@ -264,14 +264,17 @@ class BoundaryGroup:
         if self.ctx.replicate_size == 1:
             return
         for b in self.buckets:
-            if not self.is_holder(b):
-                continue
-            assert b.flat is not None
-            self.wait_publish(b)
-            for row, start, end in _segments(b.params, self.ctx.shard_size):
-                b.pending_publish.append(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH,
-                                                     self.fqn, dim=C.Dim.REPLICATE))
-            b.stale = False
+            if self.is_holder(b):
+                self._issue_publish(b)
+
+    def _issue_publish(self, b: Bucket) -> None:
+        """One broadcast per owner row of ``b`` over the replicate group, from that row's owner."""
+        assert b.flat is not None
+        self.wait_publish(b)
+        for row, start, end in _segments(b.params, self.ctx.shard_size):
+            b.pending_publish.append(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH,
+                                                 self.fqn, dim=C.Dim.REPLICATE))
+        b.stale = False
 
     def wait_publish(self, b: Bucket) -> None:
         for pending in b.pending_publish:
@@ -281,16 +284,8 @@ class BoundaryGroup:
     def sync_holders(self, b: Bucket) -> None:
         """Before a holder broadcasts ``b`` in its row: finish (or, if stale, make) the owners' publish."""
         if b.stale:
-            self.publish_bucket_now(b)
+            self._issue_publish(b)
         self.wait_publish(b)
-
-    def publish_bucket_now(self, b: Bucket) -> None:
-        assert b.flat is not None
-        self.wait_publish(b)
-        for row, start, end in _segments(b.params, self.ctx.shard_size):
-            C.wait(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH, self.fqn,
-                               dim=C.Dim.REPLICATE))
-        b.stale = False
 
     def wait_all_publishes(self) -> None:
         """Holders: every pending or owed publish done (collective over each bucket's replicate group)."""
