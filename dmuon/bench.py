@@ -87,6 +87,11 @@ def _is_proj(name: str, p: nn.Parameter) -> bool:
     return p.ndim == 2 and "proj" in name
 
 
+def _adamw_kw(device: torch.device) -> dict[str, Any]:
+    """Every variant's AdamW uses torch's fused kernel on CUDA (its fastest), the default elsewhere."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
 class _NaiveFSDPMuon:
     """The approach dmuon replaces: all-gather each projection gradient, NS on every rank, keep the shard."""
 
@@ -97,7 +102,8 @@ class _NaiveFSDPMuon:
 
         self._distribute, self._update, self._adjust = distribute_tensor, muon_update_, AdjustLR.ORIGINAL
         self.muon = [p for n, p in model.named_parameters() if _is_proj(n, p)]
-        self.adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if not _is_proj(n, p)], lr=adamw_lr)
+        self.adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if not _is_proj(n, p)], lr=adamw_lr,
+                                       **_adamw_kw(next(model.parameters()).device))
         self.lr, self.bufs = lr, {}
 
     def zero_grad(self) -> None:
@@ -117,7 +123,8 @@ class _NaiveFSDPMuon:
         self.adamw.step()
 
 
-def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, mesh) -> tuple[nn.Module, Any]:
+def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, mesh,
+           ns: dict[str, Any] | None = None, dmuon_wrap: str = "layers") -> tuple[nn.Module, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
@@ -127,7 +134,7 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
     if variant == "torch_muon":
         muon = [p for n, p in model.named_parameters() if _is_proj(n, p)]
         other = [p for n, p in model.named_parameters() if not _is_proj(n, p)]
-        opts = [torch.optim.Muon(muon, lr=lr, ns_coefficients=KJ), torch.optim.AdamW(other, lr=adamw_lr)]
+        opts = [torch.optim.Muon(muon, lr=lr, ns_coefficients=KJ), torch.optim.AdamW(other, lr=adamw_lr, **_adamw_kw(device))]
 
         class Both:
             def zero_grad(self) -> None:
@@ -141,18 +148,22 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
         return model, Both()
     if variant.startswith("dmuon"):
         dmuon.dedicate_params(model, mesh, _is_proj, reshard_after_forward=variant == "dmuon_z3")
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
+    if not variant.startswith("dmuon") or dmuon_wrap == "layers":
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if variant == "fsdp_adamw":
-        return model, torch.optim.AdamW(model.parameters(), lr=adamw_lr)
+        return model, torch.optim.AdamW(model.parameters(), lr=adamw_lr, **_adamw_kw(device))
     if variant == "naive_fsdp_muon":
         return model, _NaiveFSDPMuon(model, lr, adamw_lr)
-    return model, dmuon.Muon(model, lr=lr, ns_coefficients=KJ, adamw_lr=adamw_lr)
+    ns = ns or {}
+    return model, dmuon.Muon(model, lr=lr, ns_coefficients=ns.get("ns_coefficients", KJ),
+                             ns_backend=ns.get("ns_backend", "direct"), adamw_lr=adamw_lr,
+                             adamw_fused=_adamw_kw(device).get("fused"))
 
 
 def _time_variant(variant: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh) -> Timing:
-    model, opt = _build(variant, args.preset, device, dtype, mesh)
+    model, opt = _build(variant, args.preset, device, dtype, mesh, _ns_options(args), args.dmuon_wrap)
     vocab = BENCH_PRESETS[args.preset][5]
     gen = torch.Generator().manual_seed(1)
     tok = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen).to(device)
@@ -218,9 +229,11 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     by_shape: dict[tuple, list] = {}
     for w, g, b in owned:  # as dmuon.Muon.step groups them
         by_shape.setdefault(tuple(w.shape), []).append((w, g, b))
+    ns = _ns_options(args)
     dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp],
                                                  lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
-                                                 ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.ORIGINAL)
+                                                 ns_coefficients=ns["ns_coefficients"], eps=1e-7,
+                                                 adjust_lr_fn=AdjustLR.ORIGINAL, ns_backend=ns["ns_backend"])
                               for grp in by_shape.values()])
     del owned, by_shape
     everything = [g for _, g, _ in mats([s.fqn for s in specs])]
@@ -229,6 +242,12 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "imbalance": plan.imbalance, "dmuon_owner_step_ms": dmuon_ms, "torch_ns_all_ms": torch_ms,
             "torch_ns_share_ms": torch_ms / args.simulate_world_size,
             "ratio": dmuon_ms / (torch_ms / args.simulate_world_size)}
+
+
+def _ns_options(args: argparse.Namespace) -> dict[str, Any]:
+    """dmuon's Newton-Schulz options from the command line (torch's form and coefficients by default)."""
+    coefficients: Any = KJ if args.ns_coefficients == "keller_jordan" else args.ns_coefficients
+    return {"ns_backend": args.ns_backend, "ns_coefficients": coefficients}
 
 
 def _chart(results: list[Timing], path: str) -> None:
@@ -260,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--simulate-world-size", type=int, default=0)
+    parser.add_argument("--dmuon-wrap", choices=["layers", "root"], default="layers",
+                        help="dmuon variants: fully_shard each layer and the root (the recipe), or only the root "
+                             "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit)")
+    parser.add_argument("--ns-backend", choices=["direct", "gram", "auto"], default="direct",
+                        help="dmuon's Newton-Schulz form (default: direct, torch's)")
+    parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
+                        help="dmuon's coefficient schedule (torch.optim.Muon always uses keller_jordan)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.batch = args.batch or (2 if args.preset == "tiny" else 4)
@@ -276,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if use_cuda else "fp32")]
     is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes files
     out: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                           "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq}
+                           "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq,
+                           "ns_backend": args.ns_backend, "ns_coefficients": args.ns_coefficients,
+                           "dmuon_wrap": args.dmuon_wrap}
     if args.simulate_world_size:
         if args.preset == "tiny":
             parser.error("--simulate-world-size needs a Llama preset (125m, 1b, 3b, 8b)")

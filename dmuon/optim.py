@@ -26,9 +26,19 @@ from torch.distributed.tensor import DTensor
 
 from ._patch import is_dedicated
 from ._state import DMuonState, get_state
-from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, newton_schulz
+from .newton_schulz import (
+    DEFAULT_EPS,
+    DEFAULT_NS_STEPS,
+    KELLER_JORDAN_COEFFICIENTS,
+    newton_schulz,
+    parse_coefficients,
+    resolve_backend,
+)
 
 __all__ = ["Muon", "AdjustLR", "adjusted_lr", "muon_update_", "muon_update_batch_"]
+
+#: What ``ns_coefficients`` accepts: one ``(a, b, c)``, a per-step sequence, or a schedule name.
+NSCoefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]] | str
 
 
 class AdjustLR(enum.Enum):
@@ -71,14 +81,16 @@ def muon_update_(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    ns_coefficients: tuple[float, float, float],
+    ns_coefficients: NSCoefficients,
     eps: float,
     adjust_lr_fn: AdjustLR,
+    ns_backend: str = "direct",
 ) -> None:
-    """One Muon step on one full matrix, in place (same arithmetic as ``torch.optim.Muon``)."""
+    """One Muon step on one full matrix, in place (same arithmetic as ``torch.optim.Muon`` with the
+    ``"direct"`` backend)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    ortho = newton_schulz(update, ns_steps, ns_coefficients, eps)
+    ortho = newton_schulz(update, ns_steps, ns_coefficients, eps, backend=ns_backend)
     param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
 
@@ -93,9 +105,10 @@ def muon_update_batch_(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    ns_coefficients: tuple[float, float, float],
+    ns_coefficients: NSCoefficients,
     eps: float,
     adjust_lr_fn: AdjustLR,
+    ns_backend: str = "direct",
 ) -> None:
     """:func:`muon_update_` for same-shape matrices, with one batched Newton-Schulz call: fewer, larger
     matrix products. Per matrix the arithmetic is unchanged (bit-identical to the one-by-one form on CPU;
@@ -103,13 +116,13 @@ def muon_update_batch_(
     if len(params) == 1:
         muon_update_(params[0], grads[0], momentum_buffers[0], lr=lr, weight_decay=weight_decay, momentum=momentum,
                      nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
-                     adjust_lr_fn=adjust_lr_fn)
+                     adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend)
         return
     updates = []
     for g, buf in zip(grads, momentum_buffers):
         buf.lerp_(g, 1 - momentum)
         updates.append(g.lerp(buf, momentum) if nesterov else buf)
-    orthos = newton_schulz(torch.stack(updates), ns_steps, ns_coefficients, eps)
+    orthos = newton_schulz(torch.stack(updates), ns_steps, ns_coefficients, eps, backend=ns_backend)
     step = -adjusted_lr(lr, adjust_lr_fn, params[0].shape)
     for p, o in zip(params, orthos.unbind(0)):
         p.mul_(1 - lr * weight_decay)
@@ -158,7 +171,12 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum :math:`\mu` (default 0.95).
         nesterov: Nesterov momentum (default True).
         ns_steps: Newton–Schulz iterations (default 5).
-        ns_coefficients: ``(a, b, c)`` of the quintic (default Keller Jordan's, as torch).
+        ns_coefficients: ``(a, b, c)`` of the quintic (default Keller Jordan's, as torch), a per-step
+            sequence of them, or a schedule name (``"keller_jordan"``, ``"polar_express"``).
+        ns_backend: ``"direct"`` (default: torch's operation sequence, keeps parity with
+            ``torch.optim.Muon``), ``"gram"`` or ``"auto"`` (Gram form for matrices at least 1.5x as
+            wide as tall, direct otherwise: fewer flops, different rounding). See
+            :func:`dmuon.newton_schulz`.
         eps: floor of the norm NS divides by (default 1e-7, as torch).
         weight_decay: decoupled weight decay for Muon params (default 0.0).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (``torch.optim.Muon``'s meaning).
@@ -191,7 +209,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = DEFAULT_NS_STEPS,
-        ns_coefficients: tuple[float, float, float] = KELLER_JORDAN_COEFFICIENTS,
+        ns_coefficients: NSCoefficients = KELLER_JORDAN_COEFFICIENTS,
         eps: float = DEFAULT_EPS,
         weight_decay: float = 0.0,
         adjust_lr_fn: str | None = None,
@@ -203,6 +221,7 @@ class Muon(torch.optim.Optimizer):
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
         replicate_async: bool = True,
+        ns_backend: str = "direct",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -216,8 +235,14 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}")
         if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 0 <= ns_steps < 100:
             raise ValueError(f"dmuon.Muon: ns_steps must be an int in [0, 100), got {ns_steps!r}")
-        if len(tuple(ns_coefficients)) != 3:
-            raise ValueError(f"dmuon.Muon: ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients!r}")
+        try:
+            schedule = parse_coefficients(ns_coefficients)
+            resolve_backend((1, 1), ns_backend)
+        except ValueError as e:
+            raise ValueError(f"dmuon.Muon: ns_{e}") from None
+        # kept as given (a name stays a name) so state dicts show what the user chose
+        coefficients = ns_coefficients if isinstance(ns_coefficients, str) else (
+            schedule[0] if len(schedule) == 1 else schedule)
         if not eps > 0:
             raise ValueError(f"dmuon.Muon: eps must be > 0, got {eps!r}")
         if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
@@ -240,7 +265,7 @@ class Muon(torch.optim.Optimizer):
         muon_group = dict(
             params=[p for _, p in owned], param_names=[n for n, _ in owned], kind="muon", lr=lr,
             momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
-            ns_coefficients=tuple(float(c) for c in ns_coefficients), eps=eps, weight_decay=weight_decay,
+            ns_coefficients=coefficients, ns_backend=ns_backend, eps=eps, weight_decay=weight_decay,
             adjust_lr_fn=adjust.value,
         )
         adamw_groups = [
@@ -316,7 +341,7 @@ class Muon(torch.optim.Optimizer):
                     ps, [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps], lr=group["lr"],
                     weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
                     ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"], eps=group["eps"],
-                    adjust_lr_fn=AdjustLR.parse(group["adjust_lr_fn"]),
+                    adjust_lr_fn=AdjustLR.parse(group["adjust_lr_fn"]), ns_backend=group.get("ns_backend", "direct"),
                 )
         self._adamw.step()
         state.publish_updates()

@@ -40,6 +40,9 @@ def test_tiny_preset_one_process(tmp_path):
 def test_tiny_preset_two_ranks_under_torchrun(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "1",
+                           "--ns-backend", "auto", "--ns-coefficients", "polar_express", "--dmuon-wrap", "root",
                            "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check(tmp_path, 2)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert (res["ns_backend"], res["ns_coefficients"], res["dmuon_wrap"]) == ("auto", "polar_express", "root")

@@ -334,3 +334,135 @@ def test_rejects_bad_eps(eps: object) -> None:
     with pytest.raises(ValueError, match="eps") as info:
         newton_schulz(torch.ones(3, 4), eps=eps)  # type: ignore[arg-type]
     assert repr(eps) in str(info.value)
+
+
+# ----------------------------------------------------------------------------- schedules and backends
+
+from dmuon.newton_schulz import (  # noqa: E402
+    COEFFICIENT_SCHEDULES,
+    GRAM_MIN_ASPECT,
+    POLAR_EXPRESS_COEFFICIENTS,
+    parse_coefficients,
+    resolve_backend,
+)
+
+PE = POLAR_EXPRESS_COEFFICIENTS
+
+
+def _schedule_poly(x: torch.Tensor, schedule, steps: int) -> torch.Tensor:
+    """The scalar map of a per-step schedule (last entry repeating), in float64."""
+    for k in range(steps):
+        a, b, c = schedule[min(k, len(schedule) - 1)]
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def _exact_iteration(G: torch.Tensor, schedule, steps: int) -> torch.Tensor:
+    """What the iteration computes in exact arithmetic from the bf16-cast input: U p(S/|S|) V^T."""
+    U, S, Vh = torch.linalg.svd(G.bfloat16().double(), full_matrices=False)
+    return (U * _schedule_poly(S / S.norm(), schedule, steps)) @ Vh
+
+
+def _wide_cases() -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("spread1e-2_64x256", _log_spread(64, 256, 1e-2, seed=50)),
+        ("spread1e-3_96x384", _log_spread(96, 384, 1e-3, seed=51)),
+        ("spread1e-4_64x224", _log_spread(64, 224, 1e-4, seed=52)),
+        ("gauss_48x96", torch.randn(48, 96, generator=_gen(53))),
+        ("gauss_tall_160x40", torch.randn(160, 40, generator=_gen(54))),
+    ]
+
+
+def test_polar_express_scalar_map_converges() -> None:
+    # The property the schedule is built for: from any normalised singular value in [1e-3, 1], five
+    # steps land in [0.84, 1.13] (exact map: [0.846, 1.124]) and eight in [0.99, 1.01], while Keller
+    # Jordan's quintic never leaves [0.47, 1.21] wide.
+    x = torch.logspace(-3, 0, 4001, dtype=torch.float64)
+    y5 = _schedule_poly(x, PE, 5)
+    assert y5.min() > 0.84 and y5.max() < 1.13, (y5.min().item(), y5.max().item())
+    y8 = _schedule_poly(x, PE, 8)
+    assert (y8 - 1).abs().max() < 1e-2
+    kj5 = _schedule_poly(x, (KJ,), 5)
+    assert kj5.min() < 0.5 and kj5.max() > 1.2
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_polar_express_is_closer_to_polar_factor_than_keller_jordan(case: int) -> None:
+    name, G = _wide_cases()[case]
+    polar = _polar(G)
+    kj, pe = _rel(newton_schulz(G), polar), _rel(newton_schulz(G, coefficients="polar_express"), polar)
+    # measured: pe/kj between 0.37 and 0.87 on these cases (the most ill-conditioned gains least)
+    assert pe < 0.95 * kj, (name, pe, kj)
+
+
+@needs_torch_ns
+@pytest.mark.parametrize("coefficients", ["keller_jordan", "polar_express"])
+@pytest.mark.parametrize("case", range(5))
+def test_gram_backend_as_accurate_as_torch_direct(coefficients: str, case: int) -> None:
+    name, G = _wide_cases()[case]
+    schedule = parse_coefficients(coefficients)
+    exact = _exact_iteration(G, schedule, DEFAULT_NS_STEPS)
+    gram = newton_schulz(G, coefficients=coefficients, backend="gram")
+    direct = newton_schulz(G, coefficients=coefficients, backend="direct")
+    assert gram.dtype == torch.bfloat16 and gram.shape == G.shape
+    # 1) the float16 Gram iteration with a restart tracks the exact polynomial at least as well as the
+    #    bfloat16 direct form (measured: 1.1x-3x closer); without the restart, or in bf16, it does not.
+    assert _rel(gram, exact) <= _rel(direct, exact), name
+    # 2) the issue's bar: same or better distance to U V^T than torch.optim.Muon's NS, same 5 steps
+    torch_kj = _torch_ns(G.clone(), KJ, DEFAULT_NS_STEPS, DEFAULT_EPS)
+    polar = _polar(G)
+    assert _rel(gram, polar) <= _rel(torch_kj, polar) * 1.001, name
+
+
+def test_gram_backend_batched_matches_slices() -> None:
+    G = torch.randn(3, 24, 80, generator=_gen(60)) * torch.tensor([1e-3, 1.0, 1e3]).view(-1, 1, 1)
+    out = newton_schulz(G, backend="gram")
+    for i in range(3):
+        assert _rel(out[i], newton_schulz(G[i], backend="gram")) < 1e-2, i
+
+
+def test_gram_backend_edge_inputs() -> None:
+    # zeros stay zeros; inputs beyond float16's range do not overflow (normalised before the cast)
+    assert torch.equal(newton_schulz(torch.zeros(4, 12), backend="gram"), torch.zeros(4, 12, dtype=torch.bfloat16))
+    big = torch.randn(8, 40, generator=_gen(61)) * 1e8
+    out = newton_schulz(big, backend="gram")
+    assert out.isfinite().all()
+    assert _rel(out, newton_schulz(big / 1e8, backend="gram")) < 1e-2
+    # zero steps: the normalised input, as for the direct form
+    G = torch.randn(6, 20, generator=_gen(62))
+    assert torch.equal(newton_schulz(G, steps=0, backend="gram"), newton_schulz(G, steps=0))
+
+
+def test_auto_backend_follows_aspect_ratio() -> None:
+    assert GRAM_MIN_ASPECT == 1.5
+    assert resolve_backend((100, 150)) == "gram" and resolve_backend((150, 100)) == "gram"
+    assert resolve_backend((100, 149)) == "direct" and resolve_backend((64, 64)) == "direct"
+    assert resolve_backend((5, 100, 150), "direct") == "direct"
+    for shape in [(24, 80), (40, 40)]:
+        G = torch.randn(shape, generator=_gen(63))
+        chosen = resolve_backend(shape)
+        assert torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend=chosen))
+    assert not torch.equal(newton_schulz(torch.randn(24, 80, generator=_gen(64)), backend="auto"),
+                           newton_schulz(torch.randn(24, 80, generator=_gen(64)), backend="direct"))
+
+
+def test_schedules_by_name_and_sequence() -> None:
+    G = torch.randn(12, 30, generator=_gen(65))
+    assert torch.equal(newton_schulz(G, coefficients="keller_jordan"), newton_schulz(G))
+    assert torch.equal(newton_schulz(G, coefficients=[KJ]), newton_schulz(G))
+    assert torch.equal(newton_schulz(G, 5, "polar_express"), newton_schulz(G, 5, list(PE)))
+    # the last entry repeats past the end of the schedule
+    assert torch.equal(newton_schulz(G, 10, PE), newton_schulz(G, 10, list(PE) + [PE[-1]] * 2))
+    assert set(COEFFICIENT_SCHEDULES) == {"keller_jordan", "polar_express"}
+
+
+@pytest.mark.parametrize("coefficients", [[], [(1.0, 2.0, 3.0), (1.0, 2.0)], "polar", [KJ, "x"]])
+def test_rejects_bad_schedules(coefficients: object) -> None:
+    with pytest.raises(ValueError, match="coefficients"):
+        newton_schulz(torch.ones(3, 4), coefficients=coefficients)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["fast", "", None, "GRAM"])
+def test_rejects_bad_backend(backend: object) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        newton_schulz(torch.ones(3, 4), backend=backend)  # type: ignore[arg-type]
