@@ -341,6 +341,7 @@ def test_rejects_bad_eps(eps: object) -> None:
 from dmuon.newton_schulz import (  # noqa: E402
     COEFFICIENT_SCHEDULES,
     GRAM_MIN_ASPECT,
+    GRAM_MIN_WORK,
     POLAR_EXPRESS_COEFFICIENTS,
     parse_coefficients,
     resolve_backend,
@@ -433,17 +434,25 @@ def test_gram_backend_edge_inputs() -> None:
     assert torch.equal(newton_schulz(G, steps=0, backend="gram"), newton_schulz(G, steps=0))
 
 
-def test_auto_backend_follows_aspect_ratio() -> None:
-    assert GRAM_MIN_ASPECT == 1.5
-    assert resolve_backend((100, 150)) == "gram" and resolve_backend((150, 100)) == "gram"
-    assert resolve_backend((100, 149)) == "direct" and resolve_backend((64, 64)) == "direct"
-    assert resolve_backend((5, 100, 150), "direct") == "direct"
+def test_auto_backend_follows_aspect_ratio_and_size(monkeypatch) -> None:
+    assert GRAM_MIN_ASPECT == 1.5 and GRAM_MIN_WORK == 2**33
+    # Llama shapes: wide and big enough -> gram; square, or too small a call -> direct
+    assert resolve_backend((2048, 8192)) == "gram" and resolve_backend((8192, 2048)) == "gram"
+    assert resolve_backend((4, 1024, 4096)) == "gram" and resolve_backend((32, 512, 2048)) == "gram"
+    assert resolve_backend((1024, 4096)) == "direct" and resolve_backend((4, 512, 2048)) == "direct"
+    assert resolve_backend((64, 4096, 4096)) == "direct" and resolve_backend((5, 8192, 2048), "direct") == "direct"
+    assert resolve_backend((4096, 6143)) == "direct" and resolve_backend((4096, 6144)) == "gram"
+    # newton_schulz follows the same choice (small matrices, with the size floor lowered)
+    import sys
+
+    monkeypatch.setattr(sys.modules["dmuon.newton_schulz"], "GRAM_MIN_WORK", 1)
     for shape in [(24, 80), (40, 40)]:
         G = torch.randn(shape, generator=_gen(63))
         chosen = resolve_backend(shape)
         assert torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend=chosen))
-    assert not torch.equal(newton_schulz(torch.randn(24, 80, generator=_gen(64)), backend="auto"),
-                           newton_schulz(torch.randn(24, 80, generator=_gen(64)), backend="direct"))
+    G = torch.randn(24, 80, generator=_gen(64))
+    assert resolve_backend(G.shape) == "gram"
+    assert not torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend="direct"))
 
 
 def test_schedules_by_name_and_sequence() -> None:
