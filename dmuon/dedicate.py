@@ -88,6 +88,7 @@ def dedicate_params(
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
     hook_boundary_strict: bool = True,
     reshard_after_forward: bool = True,
+    prefetch: bool = True,
 ) -> OwnerPlan:
     """Give every selected 2-D weight one owner rank; call once per model, before ``fully_shard``.
 
@@ -114,6 +115,10 @@ def dedicate_params(
             with no matching ancestor (``False``: fall back to the default rule).
         reshard_after_forward: ``True`` (Z3) frees non-owner copies after forward and broadcasts again
             before backward; ``False`` (Z2) keeps them from forward to backward.
+        prefetch: start the broadcast of the boundary expected to run next (the order the previous
+            forward recorded; in backward its reverse) before waiting for the current one, so
+            communication overlaps compute. At most one boundary is fetched ahead; a wrong guess costs
+            one broadcast, never correctness. ``False``: every boundary fetches its own weights and waits.
 
     Returns:
         The :class:`~dmuon.partition.OwnerPlan`: owner per param, per-rank params/elements/NS cost and
@@ -231,7 +236,7 @@ def dedicate_params(
     groups = [
         (modules[b], BoundaryGroup(b, dps, ctx, reshard_after_forward)) for b, dps in dps_by_boundary.items()
     ]
-    state = DMuonState(model, ctx, plan, groups, reshard_after_forward)
+    state = DMuonState(model, ctx, plan, groups, reshard_after_forward, prefetch=bool(prefetch))
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
     setattr(model, STATE_ATTR, state)

@@ -51,6 +51,7 @@ class GroupState(enum.Enum):
     #: Owners hold their tensors; every other rank holds 0 bytes for them. Resting state between steps.
     SHARDED = "sharded"
     #: Broadcasts are in flight into freshly allocated buffers; reading the weights is not yet allowed.
+    #: Entered by the boundary's own hook or, earlier, by a prefetch from the boundary that runs before it.
     UNSHARDING = "unsharding"
     #: Every rank holds the full weights (during forward; kept until backward under Z2).
     UNSHARDED = "unsharded"
@@ -241,6 +242,7 @@ class BoundaryGroup:
         self.state = GroupState.UNSHARDED
 
     def ensure_unsharded(self, kind: CommKind) -> None:
+        """Issue (if not already in flight) and wait: SHARDED/REDUCING/UNSHARDING -> UNSHARDED."""
         self.unshard(kind)
         self.wait_for_unshard()
 

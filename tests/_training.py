@@ -133,6 +133,8 @@ class RunOptions:
     accum: int = 1
     #: one hook boundary for the whole model, whose forward returns a dataclass (CausalLMOutput)
     root_boundary: bool = False
+    #: dedicate_params(prefetch=...): broadcast the next boundary's weights early
+    prefetch: bool = True
     hp: HParams = field(default_factory=HParams)
 
 
@@ -147,6 +149,7 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
         model = build_model(extra_unused=opts.extra_unused)
     plan = dmuon.dedicate_params(
         model, mesh, predicate=projection_predicate, reshard_after_forward=opts.reshard_after_forward,
+        prefetch=opts.prefetch,
         hook_boundary_predicate=(lambda m: isinstance(m, TinyLlama)) if opts.root_boundary else None,
     )
     if opts.fsdp:
