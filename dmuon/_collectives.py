@@ -76,8 +76,12 @@ class CommContext:
         """Global rank of every slot, in slot order."""
         return tuple(r for row in self.grid for r in row)
 
+    def __post_init__(self) -> None:
+        # asked on every hook call: computed once
+        self._sizes = {Dim.SHARD: self.shard_size, Dim.REPLICATE: self.replicate_size, Dim.WORLD: self.world_size}
+
     def size(self, dim: Dim) -> int:
-        return {Dim.SHARD: self.shard_size, Dim.REPLICATE: self.replicate_size, Dim.WORLD: self.world_size}[dim]
+        return self._sizes[dim]
 
     def global_rank(self, dim: Dim, index: int) -> int:
         """Global rank of ``index`` along ``dim`` as seen from this process."""
