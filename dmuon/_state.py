@@ -55,7 +55,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from . import _collectives as C
@@ -273,8 +272,9 @@ class DMuonState:
 
     @staticmethod
     def _issue_prefetch(g: BoundaryGroup, kind: CommKind) -> None:
-        with record_function(f"dmuon::prefetch ({g.fqn})"):
-            g.unshard(kind)
+        # no record_function here: it costs ~tens of us per call on the host-bound hot path, and the
+        # collective itself is labelled in _collectives
+        g.unshard(kind)
 
     def _post_forward(self, g: BoundaryGroup, output: Any) -> Any:
         if _in_backward():
