@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_NS_STEPS",
     "DEFAULT_EPS",
     "newton_schulz",
+    "newton_schulz_native",
 ]
 
 #: ``(a, b, c)`` of ``torch.optim.Muon``'s defaults (Keller Jordan's tuned quintic).
@@ -244,6 +245,28 @@ def newton_schulz(
         >>> bool(s.min() > 0.75 and s.max() < 1.2)
         True
     """
+    out = newton_schulz_native(G, steps, coefficients, eps, backend=backend)
+    return out if out.dtype == torch.bfloat16 else out.bfloat16()
+
+
+def newton_schulz_native(
+    G: Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    coefficients: tuple[float, float, float] | Sequence[tuple[float, float, float]] | str = KELLER_JORDAN_COEFFICIENTS,
+    eps: float = DEFAULT_EPS,
+    *,
+    backend: str = "direct",
+) -> Tensor:
+    """:func:`newton_schulz` without the final cast: bfloat16 from the direct form, float16 from the
+    Gram form. An optimizer that adds the result into a parameter saves one pass over the update (and
+    one rounding) by taking it as is.
+
+    Example::
+
+        >>> O = newton_schulz_native(torch.randn(16, 64), backend="gram")
+        >>> O.dtype
+        torch.float16
+    """
     schedule = _validate(G, steps, coefficients, eps)
     resolved = resolve_backend(G.shape, backend)
     per_step = [schedule[min(k, len(schedule) - 1)] for k in range(steps)]
@@ -275,7 +298,7 @@ def newton_schulz(
 
 
 def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps: float) -> Tensor:
-    """The Gram-space iteration on a wide bf16 ``X`` (``m <= n``): returns bf16 ``X_k``.
+    """The Gram-space iteration on a wide bf16 ``X`` (``m <= n``): returns float16 ``X_k``.
 
     Per segment of :data:`GRAM_RESTART_EVERY` steps: ``R = X X^T``; each step forms
     ``P = a I + b A + c A^2``, accumulates ``Q <- P Q`` and (except on the segment's last step)
@@ -299,5 +322,4 @@ def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps
                 A = torch.bmm(torch.bmm(A, P), P)
         assert Q is not None
         X = torch.bmm(Q, X)
-    X = X.bfloat16()
     return X.squeeze(0) if squeeze else X

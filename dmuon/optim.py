@@ -30,7 +30,7 @@ from .newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
     KELLER_JORDAN_COEFFICIENTS,
-    newton_schulz,
+    newton_schulz_native,
     parse_coefficients,
     resolve_backend,
 )
@@ -90,8 +90,16 @@ def muon_update_(
     ``"direct"`` backend)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    ortho = newton_schulz(update, ns_steps, ns_coefficients, eps, backend=ns_backend)
-    param.mul_(1 - lr * weight_decay)
+    ortho = newton_schulz_native(update, ns_steps, ns_coefficients, eps, backend=ns_backend)
+    _apply_update_(param, ortho, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
+
+
+def _apply_update_(param: Tensor, ortho: Tensor, *, lr: float, weight_decay: float, adjust_lr_fn: AdjustLR) -> None:
+    """Decoupled decay then the scaled step, as ``torch.optim.Muon``. A decay factor of exactly 1 is
+    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off."""
+    if lr * weight_decay != 0.0:
+        param.mul_(1 - lr * weight_decay)
+    # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
     param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
 
 
@@ -118,15 +126,17 @@ def muon_update_batch_(
                      nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
                      adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend)
         return
-    updates = []
-    for g, buf in zip(grads, momentum_buffers):
+    # the (Nesterov) updates go straight into one stacked buffer: no separate stack copy
+    updates = torch.empty((len(params), *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
+    for g, buf, u in zip(grads, momentum_buffers, updates.unbind(0)):
         buf.lerp_(g, 1 - momentum)
-        updates.append(g.lerp(buf, momentum) if nesterov else buf)
-    orthos = newton_schulz(torch.stack(updates), ns_steps, ns_coefficients, eps, backend=ns_backend)
-    step = -adjusted_lr(lr, adjust_lr_fn, params[0].shape)
+        if nesterov:
+            torch.lerp(g, buf, momentum, out=u)
+        else:
+            u.copy_(buf)
+    orthos = newton_schulz_native(updates, ns_steps, ns_coefficients, eps, backend=ns_backend)
     for p, o in zip(params, orthos.unbind(0)):
-        p.mul_(1 - lr * weight_decay)
-        p.add_(o, alpha=step)
+        _apply_update_(p, o, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
 
 
 def _check_nonneg(name: str, value: float) -> None:

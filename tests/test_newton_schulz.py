@@ -475,3 +475,13 @@ def test_rejects_bad_schedules(coefficients: object) -> None:
 def test_rejects_bad_backend(backend: object) -> None:
     with pytest.raises(ValueError, match="backend"):
         newton_schulz(torch.ones(3, 4), backend=backend)  # type: ignore[arg-type]
+
+
+def test_native_output_skips_only_the_final_cast() -> None:
+    from dmuon.newton_schulz import newton_schulz_native
+
+    G = torch.randn(3, 16, 48, generator=_gen(70))
+    for backend, dtype in (("direct", torch.bfloat16), ("gram", torch.float16)):
+        raw = newton_schulz_native(G, backend=backend)
+        assert raw.dtype == dtype and raw.shape == G.shape
+        assert torch.equal(raw.bfloat16(), newton_schulz(G, backend=backend))

@@ -20,20 +20,21 @@ def test_adjusted_lr_matches_torch(fn, shape):
     assert adjusted_lr(0.02, AdjustLR.parse(fn), shape) == _adjust_lr(0.02, fn, torch.Size(shape))
 
 
+@pytest.mark.parametrize("wd", [0.1, 0.0])  # 0.0: dmuon skips the multiply by exactly 1
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("fn", ["original", "match_rms_adamw"])
-def test_muon_update_is_bitwise_torch(nesterov, fn):
+def test_muon_update_is_bitwise_torch(nesterov, fn, wd):
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(48, 24, generator=gen)
     grads = [torch.randn(48, 24, generator=gen) for _ in range(3)]
     ref = torch.nn.Parameter(w0.clone())
-    opt = torch.optim.Muon([ref], lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+    opt = torch.optim.Muon([ref], lr=0.03, weight_decay=wd, momentum=0.9, nesterov=nesterov,
                            ns_coefficients=KJ, ns_steps=4, adjust_lr_fn=fn)
     mine, buf = w0.clone(), torch.zeros_like(w0)
     for g in grads:
         ref.grad = g.clone()
         opt.step()
-        muon_update_(mine, g.clone(), buf, lr=0.03, weight_decay=0.1, momentum=0.9, nesterov=nesterov,
+        muon_update_(mine, g.clone(), buf, lr=0.03, weight_decay=wd, momentum=0.9, nesterov=nesterov,
                      ns_steps=4, ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.parse(fn))
     assert torch.equal(mine, ref.detach())
     assert torch.equal(buf, opt.state[ref]["momentum_buffer"])
@@ -196,10 +197,10 @@ def test_ns_backend_and_schedule_reach_the_update(monkeypatch):
     # Oracle: torch.optim.Muon (momentum, lr scaling, decay) with its NS swapped for ours in the same mode.
     from torch.optim import _muon
 
-    from dmuon.newton_schulz import newton_schulz
+    from dmuon.newton_schulz import newton_schulz_native
 
-    def ours(grad, coefficients, steps, eps):
-        return newton_schulz(grad, steps, "polar_express", eps, backend="gram")
+    def ours(grad, coefficients, steps, eps):  # float16 out: dmuon adds the Gram form's result uncast
+        return newton_schulz_native(grad, steps, "polar_express", eps, backend="gram")
 
     got = run_distributed(fast_ns_job, 1)[0]
     default = _oracle()
