@@ -166,12 +166,14 @@ def dedicate(
     predicate: Predicate | None = None,
     *,
     reshard_after_forward: bool = True,
+    prefetch: bool = True,
 ) -> OwnerPlan:
     """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``.
 
     The shard mesh is ``parallel_dims``' ``"fsdp"`` mesh; with ``data_parallel_replicate_degree > 1`` the
     ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). ``predicate(fqn, param)`` defaults to
     :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
+    ``reshard_after_forward`` and ``prefetch`` are :func:`dmuon.dedicate_params`'s.
 
     Example::
 
@@ -185,7 +187,7 @@ def dedicate(
     replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
     plan = dmuon.dedicate_params(
         model, shard, predicate if predicate is not None else default_predicate,
-        replicate_mesh=replicate, reshard_after_forward=reshard_after_forward,
+        replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
     )
     _adopt(model)
     return plan
@@ -461,7 +463,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
         momentum: float = 0.95
         nesterov: bool = True
         ns_steps: int = DEFAULT_NS_STEPS
-        ns_coefficients: tuple[float, float, float] = KELLER_JORDAN_COEFFICIENTS
+        ns_coefficients: tuple[float, float, float] | str = KELLER_JORDAN_COEFFICIENTS
+        """``(a, b, c)``, a per-step list of them, or ``"keller_jordan"`` / ``"polar_express"``."""
+        ns_backend: str = "direct"
+        """``"direct"`` (torch's arithmetic), ``"gram"`` or ``"auto"``; see :func:`dmuon.newton_schulz`."""
         eps: float = DEFAULT_EPS
         weight_decay: float = 0.0
         """Muon's decoupled weight decay."""
@@ -494,7 +499,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
         model = model_parts[0]
         muon = dmuon.Muon(
             model, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
-            ns_coefficients=tuple(config.ns_coefficients), eps=config.eps, weight_decay=config.weight_decay,
+            ns_coefficients=(config.ns_coefficients if isinstance(config.ns_coefficients, str)
+                             else tuple(config.ns_coefficients)),
+            ns_backend=config.ns_backend, eps=config.eps, weight_decay=config.weight_decay,
             adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
             adamw_foreach=config.implementation == "foreach", adamw_fused=config.implementation == "fused",
