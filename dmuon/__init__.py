@@ -11,6 +11,7 @@ from .accumulate import no_sync
 from .api import (
     broadcast_all_updates,
     get_dedicated_params,
+    get_owned_grads,
     get_owned_params,
     wait_all_reduces,
     wait_all_replicate_broadcasts,
@@ -34,6 +35,7 @@ __all__ = [
     "get_dedicated_params",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "get_owned_grads",
     "get_owned_params",
     "install_patch",
     "is_patch_installed",

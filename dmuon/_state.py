@@ -329,11 +329,21 @@ class DMuonState:
             dp.grad_is_reduced = False
 
     def _on_accumulated(self, dp: DedicatedParam, g: BoundaryGroup) -> None:
-        if not self.sync_grads:
-            return
         p = dp.param
         assert p is not None
-        dp.local_grad = p.grad
+        wide = g.main_grad_dtype(dp)
+        if not self.sync_grads:
+            if wide is not None and p.grad is not None:
+                # no_sync with a wider reduce dtype: accumulate there, as FSDP2 does (no bf16 summation)
+                dp.unsynced_grad = (p.grad.to(wide) if dp.unsynced_grad is None
+                                    else dp.unsynced_grad.add_(p.grad))
+                p.grad = None
+            return
+        local = p.grad
+        if dp.unsynced_grad is not None:
+            local = dp.unsynced_grad if local is None else dp.unsynced_grad.add_(local)
+            dp.unsynced_grad = None
+        dp.local_grad = local
         p.grad = None
         if g.all_grads_ready():
             g.reduce_grads()
@@ -368,6 +378,11 @@ class DMuonState:
         self._backward_order.clear()
         self._backward_cursor = None
         self._backward_prefetched = None
+
+    def refresh_masters(self) -> None:
+        """Owners: restart ``param_dtype`` masters whose compute copy was written directly since."""
+        for dp in self.dedicated():
+            dp.refresh_master()
 
     def reshard_all(self) -> None:
         """Drop every non-owner copy so the next forward broadcasts the freshly updated weights."""

@@ -26,7 +26,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     accumulates its local gradients. The first backward outside reduces the accumulated sum.
 
     Weights still travel (forward broadcast, and under Z3 the backward re-broadcast): only gradient
-    traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile.
+    traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile
+    (summed in ``dedicate_params(reduce_dtype=...)`` when that is wider than the params, as FSDP2 does).
 
     Example::
 

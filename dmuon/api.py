@@ -6,19 +6,21 @@ outside the usual ``backward(); step()`` rhythm.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from ._state import get_state
 
 __all__ = [
     "wait_all_reduces", "broadcast_all_updates", "wait_all_replicate_broadcasts", "get_dedicated_params",
-    "get_owned_params",
+    "get_owned_params", "get_owned_grads",
 ]
 
 
 def wait_all_reduces(model: nn.Module) -> None:
     """Finish every pending gradient reduce: afterwards each owner's dedicated ``param.grad`` holds the
-    gradient averaged over all ranks (non-owners hold none).
+    gradient averaged over all ranks (non-owners hold none); with a ``reduce_dtype`` wider than the
+    param's, the owner holds it in that dtype instead (see :func:`get_owned_grads`).
 
     Example::
 
@@ -90,3 +92,22 @@ def get_owned_params(model: nn.Module, rank: int | None = None) -> dict[str, nn.
         raise ValueError(f"dmuon.get_owned_params: rank must be in [0, {state.ctx.world_size}), got {rank!r}")
     state.bind_if_needed(allow_meta=True)
     return {dp.fqn: dp.current() for dp in state.dedicated() if dp.owner == rank}
+
+
+def get_owned_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """This rank's averaged gradients of the dedicated params it owns, by FQN, after waiting for pending
+    reduces: ``param.grad``, or the wider gradient a ``dedicate_params(reduce_dtype=...)`` keeps in its
+    place (torch refuses a ``.grad`` whose dtype differs from the param's). ``None`` where there is none.
+    The tensors are the live ones: scaling them in place scales what ``dmuon.Muon`` applies. Call it on
+    every rank: it finishes pending reduces, which are collective.
+
+    Example::
+
+        loss.backward()
+        grads = dmuon.get_owned_grads(model)      # fp32 for a bf16 model with reduce_dtype=torch.float32
+        print({n: g.dtype for n, g in grads.items() if g is not None})
+    """
+    state = get_state(model)
+    state.bind_if_needed(allow_meta=True)
+    state.wait_all_reduces()
+    return {dp.fqn: dp.reduced_grad() for dp in state.dedicated() if dp.owner == state.rank()}

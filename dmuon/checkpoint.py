@@ -9,6 +9,11 @@ tensor only on its owner, nothing gathered to one rank.
 Every function here is collective (call it on all ranks), drains pending dmuon work first and issues
 the same collectives in the same order on every rank. The setters validate the whole input before
 changing anything; on any mismatch every rank raises the same ``ValueError``.
+
+Mixed precision: a dedicated param given a ``param_dtype`` by ``dedicate_params`` appears in model dicts
+with its owner's master value in its own dtype (as FSDP2's ``MixedPrecisionPolicy`` keeps fp32 sharded
+params), and loading writes the master and rounds it into the compute copy. ``dmuon.Muon(master_dtype=...)``
+masters are optimizer state (``"master"``, beside ``momentum_buffer``, both in the master dtype).
 """
 
 from __future__ import annotations
@@ -49,9 +54,14 @@ class _Kind(enum.Enum):
 @dataclass
 class _Entry:
     key: str
-    tensor: torch.Tensor  # the live parameter / buffer / state tensor
+    tensor: torch.Tensor  # the live parameter / buffer / state tensor (a dedicated param's master if any)
     kind: _Kind
     dp: DedicatedParam | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype state dicts hold: a dedicated param's own dtype even where it is a compute copy."""
+        return self.dp.dtype if self.dp is not None else self.tensor.dtype
 
 
 class _Mode(enum.Enum):
@@ -79,7 +89,8 @@ def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
     entries = []
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in dedicated:
-            entries.append(_Entry(key, t, _Kind.DEDICATED, dedicated[id(t)]))
+            dp = dedicated[id(t)]
+            entries.append(_Entry(key, dp.master if dp.master is not None else t, _Kind.DEDICATED, dp))
         elif isinstance(t, DTensor):
             entries.append(_Entry(key, t, _Kind.DTENSOR))
         else:
@@ -184,6 +195,10 @@ def get_model_state_dict(
             torch.save(model_sd, "model.pt")   # or safetensors.torch.save_file(model_sd, ...)
     """
     state = _prepare(model)
+    # param_dtype masters whose compute copy was written directly follow it (as the next step would).
+    # Only here: a setter must not, since dcp.load fills the masters in place before set_model_state_dict
+    # rounds them into the compute copies.
+    state.refresh_masters()
     ctx = state.ctx
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
@@ -197,7 +212,7 @@ def get_model_state_dict(
             if e.kind is _Kind.DEDICATED:
                 assert e.dp is not None
                 buf = (e.tensor.detach().clone() if mine
-                       else torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device=ctx.device))
+                       else torch.empty(e.tensor.shape, dtype=e.dtype, device=ctx.device))
                 value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
@@ -227,8 +242,8 @@ def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) 
             shapes.append(f"{k} (not a tensor: {type(v).__name__})")
         elif tuple(v.shape) != tuple(e.tensor.shape):
             shapes.append(f"{k} {tuple(v.shape)} != {tuple(e.tensor.shape)}")
-        elif v.dtype != e.tensor.dtype:
-            dtypes.append(f"{k} {v.dtype} != {e.tensor.dtype}")
+        elif v.dtype != e.dtype:
+            dtypes.append(f"{k} {v.dtype} != {e.dtype}")
     errors = []
     for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
                          ("wrong shapes", shapes), ("wrong dtypes", dtypes)):
@@ -272,9 +287,11 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                     if mine:
                         e.tensor.copy_(state_dict[e.key])
                 else:
-                    full = _bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape, e.tensor.dtype, e.key)
+                    full = _bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape, e.dtype, e.key)
                     if mine:
                         e.tensor.copy_(full)
+                if mine:
+                    e.dp.write_back()  # param_dtype: round the loaded master into the compute copy
             elif e.kind is _Kind.DTENSOR:
                 v = state_dict.get(e.key)
                 if isinstance(v, DTensor):
@@ -331,7 +348,9 @@ def _materialise_state(optimizer: Any, state: DMuonState) -> None:
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for dp in state.dedicated():
         if dp.owner == state.ctx.rank and "momentum_buffer" not in optimizer.state[dp.param]:
-            optimizer.state[dp.param]["momentum_buffer"] = torch.zeros_like(dp.param, memory_format=torch.preserve_format)
+            optimizer._update_target(dp)  # creates a master_dtype master from the param, as a first step does
+            optimizer.state[dp.param]["momentum_buffer"] = torch.zeros_like(
+                dp.param, dtype=optimizer.update_dtype(dp), memory_format=torch.preserve_format)
     for _, p, g in _adamw_params(optimizer):
         st = optimizer.state[p]
         if len(st) == 0:
@@ -449,9 +468,8 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
         return ["; ".join(errors)]
     full_shape = {dp.fqn: tuple(dp.shape) for dp in state.dedicated()}
     full_shape.update({name: tuple(p.shape) for name, p, _ in _adamw_params(opt)})
-    dtype_of = {dp.fqn: dp.current().dtype for dp in state.dedicated()}
-    dtype_of.update({name: p.dtype for name, p, _ in _adamw_params(opt)})
-    muon_names = set(expected_names[0])
+    dtype_of = {name: p.dtype for name, p, _ in _adamw_params(opt)}
+    muon_dps = {dp.fqn: dp for dp in state.dedicated()}
     bad = []
     if not isinstance(st, Mapping):
         return [f"'state' must be a dict, got {type(st).__name__}"]
@@ -464,18 +482,30 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
         if not isinstance(entry, Mapping):
             bad.append(f"state of {name} is a {type(entry).__name__}, not a dict")
             continue
-        allowed = {"momentum_buffer"} if name in muon_names else None
+        dp = muon_dps.get(name)
+        allowed = None if dp is None else _muon_state_dtypes(opt, dp)
         for k, v in entry.items():
+            want = allowed.get(k) if allowed is not None else dtype_of[name]
             if allowed is not None and k not in allowed:
-                bad.append(f"{name}.{k} (Muon state holds only momentum_buffer)")
+                hint = "; build dmuon.Muon with the master_dtype it was saved with" if k == "master" else ""
+                bad.append(f"{name}.{k} (Muon state holds only {' and '.join(sorted(allowed))}{hint})")
             elif isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) != full_shape[name]:
                 bad.append(f"{name}.{k} shape {tuple(v.shape)} != {full_shape[name]}")
-            elif isinstance(v, torch.Tensor) and k != "step" and v.dtype != dtype_of[name]:
-                bad.append(f"{name}.{k} dtype {v.dtype} != {dtype_of[name]}")
+            elif isinstance(v, torch.Tensor) and k != "step" and v.dtype != want:
+                bad.append(f"{name}.{k} dtype {v.dtype} != {want}")
             elif k == "step" and (not isinstance(v, (torch.Tensor, int, float)) or
                                   (isinstance(v, torch.Tensor) and v.numel() != 1)):
                 bad.append(f"{name}.step must be a scalar")
     return ["; ".join(bad)] if bad else []
+
+
+def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
+    """The Muon state keys ``dp`` may have and their dtypes (rank-independent)."""
+    out = {"momentum_buffer": opt.update_dtype(dp)}
+    master = opt.state_master_dtype(dp)
+    if master is not None:
+        out["master"] = master
+    return out
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
@@ -526,7 +556,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             assert dp.param is not None
             if mode is _Mode.ALL:
                 if mine and dp.fqn in local_state:
-                    new_state[dp.param] = {k: v.detach().to(dp.param.device, dp.param.dtype).clone()
+                    dtypes = _muon_state_dtypes(opt, dp)
+                    new_state[dp.param] = {k: v.detach().to(dp.param.device, dtypes[k]).clone()
                                            for k, v in local_state[dp.fqn].items()}
                 continue
             assert structure is not None
@@ -537,7 +568,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                 else:
                     full = _bcast_from_rank0(state, v, torch.Size(shape), dtype, f"{dp.fqn}.{k}")
                 if mine:
-                    new_state.setdefault(dp.param, {})[k] = full.detach().to(dp.param.device, dp.param.dtype).clone()
+                    new_state.setdefault(dp.param, {})[k] = full.detach().to(
+                        dp.param.device, _muon_state_dtypes(opt, dp)[k]).clone()
         # AdamW: DTensor moments are re-sharded for this topology; scalars and plain tensors copied
         for name, p, g in _adamw_params(opt):
             if mode is _Mode.ALL:

@@ -5,7 +5,8 @@ non-owners, owner-only dedicated gradients and DTensor shards, and different ran
 code paths. Here every rank adds up exactly its share of the global sum, and one all-reduce makes the
 norm identical everywhere:
 
-* a dedicated gradient lives (averaged) on its owner only, so the owner counts it;
+* a dedicated gradient lives (averaged) on its owner only, so the owner counts it (in ``main_grad``
+  rather than ``.grad`` when ``dedicate_params(reduce_dtype=...)`` keeps it wider than the param);
 * an FSDP2 gradient is a DTensor: its local shard counts, except where the DTensor is replicated along
   a mesh dimension (HSDP), where only coordinate 0 of that dimension counts;
 * a plain gradient is the same on every rank after dmuon averaged it, so only slot 0 counts it.
@@ -62,10 +63,11 @@ def clip_grad_norm_(
     inf = math.isinf(norm_type)
     grads: list[torch.Tensor] = []  # local tensors to scale
     acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    main_grads = {id(dp.param): dp.main_grad for dp in state.dedicated() if dp.main_grad is not None}
     for p in model.parameters():
-        if not p.requires_grad or p.grad is None:
+        g = main_grads.get(id(p), p.grad)
+        if not p.requires_grad or g is None:
             continue
-        g = p.grad
         if isinstance(g, DTensor):
             local, counts = g.to_local(), _counts_here(g)
         elif is_dedicated(p):
@@ -83,5 +85,6 @@ def clip_grad_norm_(
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for local in grads:
-        local.mul_(coef.to(local.device, local.dtype))
+        # the fp32 factor as is: rounding it to a bf16 gradient's dtype first would scale by up to 0.4% off
+        local.mul_(coef.to(local.device))
     return total

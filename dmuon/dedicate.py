@@ -22,6 +22,7 @@ from . import _collectives as C
 from ._patch import DEDICATED_ATTR, install_patch, is_dedicated
 from ._state import STATE_ATTR, DMuonState
 from .diagnostics import CommCounter
+from ._precision import check_float_dtype, is_wider
 from .group import BoundaryGroup, DedicatedParam
 from .partition import OwnerPlan, ParamSpec, assign_owners
 
@@ -89,6 +90,8 @@ def dedicate_params(
     hook_boundary_strict: bool = True,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> OwnerPlan:
     """Give every selected 2-D weight one owner rank; call once per model, before ``fully_shard``.
 
@@ -119,6 +122,30 @@ def dedicate_params(
             forward recorded; in backward its reverse) before waiting for the current one, so
             communication overlaps compute. At most one boundary is fetched ahead; a wrong guess costs
             one broadcast, never correctness. ``False``: every boundary fetches its own weights and waits.
+        param_dtype: compute dtype of the dedicated params (e.g. ``torch.bfloat16`` for an fp32 model
+            under FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, whose bf16 activations
+            would otherwise meet fp32 weights). The ``nn.Parameter`` becomes a ``param_dtype`` copy (what
+            is broadcast and what the module sees); the owner keeps the value in the parameter's own
+            dtype as the master that ``dmuon.Muon`` updates, and the model state-dict functions read and
+            write that value. Must not be wider than any selected param's dtype. Default ``None``: the
+            params' own dtype. Example::
+
+                dmuon.dedicate_params(model, mesh, predicate, param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32)
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                for layer in model.layers:
+                    fully_shard(layer, mesh=mesh, mp_policy=mp)
+                fully_shard(model, mesh=mesh, mp_policy=mp)
+
+        reduce_dtype: dtype of the gradient reduce (e.g. ``torch.float32`` for a bf16 model: averaging
+            in fp32 avoids bf16 summation error across ranks). When it is wider than the compute dtype,
+            the owner's averaged gradient stays in it (``dmuon.get_owned_grads``; ``param.grad`` stays
+            ``None`` since torch requires a ``.grad`` of the param's dtype) and feeds the fp32 master
+            directly, and :func:`dmuon.no_sync` accumulates in it. A narrower one is cast back to the
+            param's dtype after the reduce. Default ``None``: the compute dtype. Example::
+
+                dmuon.dedicate_params(bf16_model, mesh, predicate, reduce_dtype=torch.float32)
+                optimizer = dmuon.Muon(bf16_model, lr=0.02, master_dtype=torch.float32)
 
     Returns:
         The :class:`~dmuon.partition.OwnerPlan`: owner per param, per-rank params/elements/NS cost and
@@ -151,6 +178,8 @@ def dedicate_params(
         )
     if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    for arg, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        check_float_dtype(f"dmuon.dedicate_params: {arg}", value)
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     if mesh.size() * replicas != dist.get_world_size():
         raise ValueError(
@@ -195,6 +224,12 @@ def dedicate_params(
                 f"dmuon.dedicate_params: predicate selected frozen param {fqn!r} (requires_grad=False); frozen "
                 "params have no gradient to reduce. Exclude it from the predicate."
             )
+        if param_dtype is not None and is_wider(param_dtype, p.dtype):
+            raise ValueError(
+                f"dmuon.dedicate_params: param_dtype={param_dtype} is wider than {fqn!r} ({p.dtype}); "
+                "param_dtype is the lower-precision compute dtype (the owner keeps the param's own dtype as "
+                "the master). Pass a narrower param_dtype, or None."
+            )
         if len(owners_of[id(p)]) > 1:
             raise ValueError(
                 f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {owners_of[id(p)][1:]}); tied "
@@ -219,7 +254,9 @@ def dedicate_params(
     ctx = C.CommContext.from_meshes(mesh, replicate_mesh, CommCounter())
     # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
     # model fails here instead of hanging in its first broadcast.
-    fingerprint = hashlib.sha256(repr((plan.digest(), specs)).encode()).hexdigest()
+    # Dtypes too: ranks disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
+    dtypes = (str(param_dtype), str(reduce_dtype), [str(p.dtype) for *_, p in selected])
+    fingerprint = hashlib.sha256(repr((plan.digest(), specs, dtypes)).encode()).hexdigest()
     digests = C.all_gather_object(ctx, fingerprint)
     if len(set(digests)) != 1:
         raise RuntimeError(
@@ -230,11 +267,13 @@ def dedicate_params(
     # ---------------- mutation ---------------- #
     dps_by_boundary: dict[str, list[DedicatedParam]] = {}
     for fqn, _, name, module, p in selected:
-        dp = DedicatedParam(fqn, module, name, plan.owners[fqn], torch.Size(p.shape))
+        dp = DedicatedParam(fqn, module, name, plan.owners[fqn], torch.Size(p.shape), p.dtype,
+                            param_dtype if param_dtype != p.dtype else None)
         setattr(p, DEDICATED_ATTR, dp.owner)
         dps_by_boundary.setdefault(boundary_of[fqn], []).append(dp)
     groups = [
-        (modules[b], BoundaryGroup(b, dps, ctx, reshard_after_forward)) for b, dps in dps_by_boundary.items()
+        (modules[b], BoundaryGroup(b, dps, ctx, reshard_after_forward, reduce_dtype=reduce_dtype))
+        for b, dps in dps_by_boundary.items()
     ]
     state = DMuonState(model, ctx, plan, groups, reshard_after_forward, prefetch=bool(prefetch))
     state.install_hooks()

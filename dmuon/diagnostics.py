@@ -2,8 +2,9 @@
 
 Every collective dmuon issues goes through :mod:`dmuon._collectives`, which records its payload here.
 Counts are *payload elements per collective* (the number of tensor elements in the broadcast or reduce
-buffer), identical on every rank of the collective. For dedicated parameters of total size P, one
-training step therefore shows ``forward_broadcast == P``, ``backward_broadcast == P`` under Z3 (0 under
+buffer) and their bytes (which tell dtypes apart: a bf16 model's reduce with
+``reduce_dtype=torch.float32`` moves 4 bytes per element, its broadcasts 2), identical on every rank of
+the collective. For dedicated parameters of total size P, one training step therefore shows ``forward_broadcast == P``, ``backward_broadcast == P`` under Z3 (0 under
 Z2) and ``reduce == P``.
 
 Example::
@@ -11,7 +12,7 @@ Example::
     dmuon.diagnostics.reset_comm_counts(model)
     loss = model(batch).loss; loss.backward(); optimizer.step()
     print(dmuon.diagnostics.comm_counts(model))
-    # {'forward_broadcast': {'elements': 4096, 'calls': 4, 'by_dim': {'shard': {...}}}, 'reduce': ...}
+    # {'forward_broadcast': {'elements': 4096, 'bytes': 16384, 'calls': 4, 'by_dim': {'shard': {...}}}, ...}
 """
 
 from __future__ import annotations
@@ -49,27 +50,33 @@ class CommCounter:
 
     elements: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    nbytes: dict[tuple[CommKind, str], int] = field(default_factory=dict)
 
-    def record(self, kind: CommKind, numel: int, dim: str) -> None:
+    def record(self, kind: CommKind, numel: int, dim: str, nbytes: int = 0) -> None:
         key = (kind, dim)
         self.elements[key] = self.elements.get(key, 0) + int(numel)
         self.calls[key] = self.calls.get(key, 0) + 1
+        self.nbytes[key] = self.nbytes.get(key, 0) + int(nbytes)
 
     def reset(self) -> None:
         self.elements.clear()
         self.calls.clear()
+        self.nbytes.clear()
 
     def as_dict(self) -> dict[str, Any]:
-        """``{kind: {"elements", "calls", "by_dim": {dim: {"elements", "calls"}}}}``, totals over dims."""
+        """``{kind: {"elements", "bytes", "calls", "by_dim": {dim: {"elements", "bytes", "calls"}}}}``,
+        totals over dims."""
         out: dict[str, Any] = {}
         for kind in CommKind:
             by_dim = {
-                dim: {"elements": self.elements[(k, dim)], "calls": self.calls[(k, dim)]}
+                dim: {"elements": self.elements[(k, dim)], "bytes": self.nbytes[(k, dim)],
+                      "calls": self.calls[(k, dim)]}
                 for (k, dim) in sorted(self.elements, key=lambda kd: kd[1])
                 if k is kind
             }
             out[kind.value] = {
                 "elements": sum(d["elements"] for d in by_dim.values()),
+                "bytes": sum(d["bytes"] for d in by_dim.values()),
                 "calls": sum(d["calls"] for d in by_dim.values()),
                 "by_dim": by_dim,
             }

@@ -26,6 +26,19 @@ gradients of each bucket are concatenated and reduced (average) to the bucket's 
 the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
 without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
 reduce, so it is never averaged twice.
+
+[Note: mixed precision]
+Three dtypes per dedicated matrix, all fixed by ``dedicate_params``:
+
+* ``dtype``: the parameter's own dtype, what state dicts hold;
+* ``compute_dtype``: what the module computes with and what broadcasts carry (``param_dtype``, default
+  ``dtype``). When it differs, the ``nn.Parameter`` is the compute copy and the owner keeps the value in
+  ``dtype`` as :attr:`DedicatedParam.master` (FSDP2's sharded fp32 parameter vs. its unsharded bf16 one);
+* the reduce dtype (``reduce_dtype``, default ``compute_dtype``): local gradients are cast to it before
+  the reduce. When it is wider than ``compute_dtype`` the owner's averaged gradient stays in it, as
+  :attr:`DedicatedParam.main_grad` (torch refuses a ``.grad`` whose dtype differs from the
+  parameter's), and ``no_sync`` accumulates local gradients in it (as FSDP2 does); otherwise it is cast
+  to the parameter's dtype and lands in ``param.grad`` as without mixed precision.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _collectives as C
 from ._patch import DEDICATED_ATTR
+from ._precision import is_wider, refresh_master_
 from .diagnostics import CommKind
 
 __all__ = ["GroupState", "DedicatedParam", "Bucket", "BoundaryGroup"]
@@ -74,18 +88,54 @@ class DedicatedParam:
     #: The owner's slot ``replicate_index * shard_size + shard_index`` (the mesh rank on a 1-D mesh).
     owner: int
     shape: torch.Size
+    #: The parameter's own dtype: what state dicts hold and :attr:`master` is kept in.
+    dtype: torch.dtype
+    #: ``dedicate_params(param_dtype=...)``: the dtype the module computes with (``None``: ``dtype``).
+    param_dtype: torch.dtype | None = None
     #: The parameter object currently bound to a bucket (``None`` until the first bind).
     param: nn.Parameter | None = None
     #: Local gradient handed over by the post-accumulate hook, waiting for the group's reduce.
     local_grad: torch.Tensor | None = None
     #: Owner only: an already-reduced gradient set aside while autograd accumulates a fresh one.
     stashed_grad: torch.Tensor | None = None
-    #: Whether ``param.grad`` on this rank holds a reduced (global) gradient.
+    #: Whether ``param.grad`` (or :attr:`main_grad`) on this rank holds a reduced (global) gradient.
     grad_is_reduced: bool = False
+    #: Owner only, when ``compute_dtype != dtype``: the value in ``dtype``; the parameter is its rounded
+    #: compute copy. See [Note: mixed precision].
+    master: torch.Tensor | None = None
+    #: Owner only, when the reduce dtype is wider than ``compute_dtype``: the averaged gradient in the
+    #: reduce dtype, in place of ``param.grad``.
+    main_grad: torch.Tensor | None = None
+    #: Local gradient summed in the reduce dtype over ``no_sync`` backwards (same condition).
+    unsynced_grad: torch.Tensor | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def current(self) -> nn.Parameter:
         return self.module._parameters[self.name]  # type: ignore[return-value]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the module computes with and broadcasts carry: the parameter object's dtype once bound."""
+        return self.param_dtype if self.param_dtype is not None else self.dtype
+
+    def reduced_grad(self) -> torch.Tensor | None:
+        """The owner's averaged gradient wherever it lives (:attr:`main_grad` or ``param.grad``)."""
+        if self.main_grad is not None:
+            return self.main_grad
+        return None if self.param is None else self.param.grad
+
+    def refresh_master(self) -> None:
+        """Owner: restart :attr:`master` from the parameter if something else wrote the parameter.
+
+        See [Note: master weights] in ``dmuon/_precision.py``."""
+        if self.master is not None and self.param is not None:
+            refresh_master_(self.master, self.param)
+
+    def write_back(self) -> None:
+        """Owner: round :attr:`master` into the parameter (the compute copy the next forward broadcasts)."""
+        if self.master is not None and self.param is not None:
+            with torch.no_grad():
+                self.param.copy_(self.master)
 
 
 @dataclass(eq=False)
@@ -139,11 +189,14 @@ class BoundaryGroup:
     #: Grad-enabled forwards whose backward has not finished yet; weights must stay reachable.
     backward_pending: bool
 
-    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, reshard_after_forward: bool):
+    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, reshard_after_forward: bool,
+                 *, reduce_dtype: torch.dtype | None = None):
         self.fqn = fqn
         self.params = list(params)
         self.ctx = ctx
         self.reshard_after_forward = reshard_after_forward
+        #: ``dedicate_params(reduce_dtype=...)``; ``None``: each bucket's compute dtype.
+        self.reduce_dtype = reduce_dtype
         S = ctx.shard_size
         by_column: dict[int, list[DedicatedParam]] = {}
         for dp in self.params:
@@ -184,25 +237,34 @@ class BoundaryGroup:
             _raise_internal(self.ctx, f"rebinding {self.fqn!r} in state {self.state}")
         with torch.no_grad():
             for b in self.buckets:
-                dtype = b.params[0].current().dtype
+                for dp in b.params:
+                    p = dp.current()
+                    # A parameter in param_dtype here is a compute copy from an earlier bind (re-created by
+                    # to_empty): its own dtype stays what it was. Anything else is the parameter's value.
+                    if dp.param_dtype is None or p.dtype != dp.param_dtype:
+                        dp.dtype = p.dtype
+                dtype = b.params[0].compute_dtype
                 flat = torch.empty(b.numel, dtype=dtype, device=self.ctx.device)
                 for dp, off in zip(b.params, b.offsets):
                     p = dp.current()
-                    if p.dtype != dtype:
+                    if dp.compute_dtype != dtype:
                         raise ValueError(
                             f"dmuon: dedicated params owned by one rank in boundary {self.fqn!r} must share a "
-                            f"dtype; {dp.fqn} is {p.dtype}, expected {dtype}."
+                            f"dtype; {dp.fqn} is {dp.compute_dtype}, expected {dtype}."
                         )
+                    value = p.detach()
                     view = flat[off : off + dp.shape.numel()].view(dp.shape)
                     if self.is_holder(b):
-                        view.copy_(p.detach())
+                        view.copy_(value)  # rounds to the compute dtype under param_dtype
+                    dp.master = (value.to(dp.dtype, copy=True)
+                                 if dp.owner == self.ctx.rank and dp.compute_dtype != dp.dtype else None)
                     for h in dp.handles:
                         h.remove()
                     dp.handles.clear()
                     p.data = view
                     setattr(p, DEDICATED_ATTR, dp.owner)
                     dp.param = p
-                    dp.local_grad = dp.stashed_grad = None
+                    dp.local_grad = dp.stashed_grad = dp.main_grad = dp.unsynced_grad = None
                     dp.grad_is_reduced = False
                     register_hooks(dp)
                 if not self.is_holder(b):
@@ -303,6 +365,12 @@ class BoundaryGroup:
     def all_grads_ready(self) -> bool:
         return all(dp.local_grad is not None for dp in self.params)
 
+    def main_grad_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
+        """The reduce dtype when ``dp``'s gradients are kept in it (wider than its compute dtype), else
+        ``None``. See [Note: mixed precision]."""
+        rd = self.reduce_dtype
+        return rd if rd is not None and is_wider(rd, dp.compute_dtype) else None
+
     def reduce_grads(self) -> None:
         """Start one reduce per bucket for the gradients handed over so far; drop local copies.
 
@@ -316,7 +384,8 @@ class BoundaryGroup:
             if not ready:
                 continue
             assert b.flat is not None
-            grads = [dp.local_grad.reshape(-1).to(b.flat.dtype) for dp in ready]  # type: ignore[union-attr]
+            dtype = self.reduce_dtype if self.reduce_dtype is not None else b.flat.dtype
+            grads = [dp.local_grad.reshape(-1).to(dtype) for dp in ready]  # type: ignore[union-attr]
             flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
             for dp in ready:
                 dp.local_grad = None
@@ -352,12 +421,17 @@ class BoundaryGroup:
                 if dp.owner != self.ctx.rank:
                     off += n
                     continue
-                g = flat_grad[off : off + n].view(dp.shape).to(dp.param.dtype)
+                g = flat_grad[off : off + n].view(dp.shape)
                 off += n
-                if dp.stashed_grad is not None:
-                    g = dp.stashed_grad.add_(g)
-                    dp.stashed_grad = None
-                dp.param.grad = g
+                if self.main_grad_dtype(dp) is not None:
+                    # a gradient already reduced (accumulation without no_sync) sits in main_grad itself
+                    dp.main_grad = g if dp.main_grad is None else dp.main_grad.add_(g)
+                else:
+                    g = g.to(dp.param.dtype)
+                    if dp.stashed_grad is not None:
+                        g = dp.stashed_grad.add_(g)
+                        dp.stashed_grad = None
+                    dp.param.grad = g
                 dp.grad_is_reduced = True
         self.state = GroupState.SHARDED
 

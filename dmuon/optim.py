@@ -10,6 +10,10 @@ scale both), built from the model rather than a parameter list:
 
 AdamW is torch's own ``torch.optim.AdamW`` stepping groups 1–2; the Muon math mirrors
 ``torch.optim.Muon`` and lives in pure helpers below.
+
+Mixed precision (see [Note: master weights] in ``dmuon/_precision.py``): Muon updates each owned matrix's
+master when it has one (``dedicate_params(param_dtype=...)`` or ``master_dtype`` here), in the master's
+dtype, and rounds the result into the parameter, which is what the next forward broadcasts.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._patch import is_dedicated
+from ._precision import check_float_dtype, is_wider, refresh_master_
 from ._state import DMuonState, get_state
+from .group import DedicatedParam
 from .newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
@@ -158,6 +164,39 @@ def _activate_framework_glue() -> None:
         warnings.warn(f"dmuon: Trainer/Accelerate glue not installed: {e}", stacklevel=3)
 
 
+def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
+    """Refuse dedicated params whose compute dtype differs from the ``MixedPrecisionPolicy.param_dtype`` of
+    the FSDP2 module around them: FSDP2 casts that module's inputs, and the first forward would fail in
+    ``F.linear`` on mismatched dtypes."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    policies: dict[str, torch.dtype] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            try:
+                policy = m._get_fsdp_state()._mp_policy  # type: ignore[operator]
+            except AttributeError:  # FSDP2 internals moved: nothing to check against
+                return
+            if policy.param_dtype is not None and policy.cast_forward_inputs:
+                policies[path] = policy.param_dtype
+    for dp in state.dedicated():
+        module_path = dp.fqn.rsplit(".", 1)[0] if "." in dp.fqn else ""
+        # the nearest FSDP2 module at or above the param's module decides what its inputs are cast to
+        owner = max((path for path in policies if path == "" or module_path == path
+                     or module_path.startswith(path + ".")), key=len, default=None)
+        if owner is not None and policies[owner] != dp.compute_dtype:
+            pd = policies[owner]
+            raise ValueError(
+                f"dmuon.Muon: fully_shard({owner or '<root>'!r}, mp_policy=MixedPrecisionPolicy(param_dtype={pd})) "
+                f"casts its inputs to {pd}, but dedicated param {dp.fqn!r} computes in {dp.compute_dtype}, so the "
+                f"forward would fail on mismatched dtypes. Pass dmuon.dedicate_params(..., param_dtype={pd}) (the "
+                f"owners keep the {dp.dtype} values as masters), or convert the dedicated params to {pd} before "
+                "dedicate_params."
+            )
+
+
 class Muon(torch.optim.Optimizer):
     r"""Muon for dedicated matrices (on their owner rank), AdamW for everything else.
 
@@ -196,6 +235,21 @@ class Muon(torch.optim.Optimizer):
         replicate_async: HSDP only: after the update each owner publishes the new tensor over the
             replicate group; ``True`` (default) returns without waiting (the first forward that needs it
             waits), ``False`` waits inside ``step()``. Results are identical either way.
+        master_dtype: e.g. ``torch.float32`` for a bf16 model: each owner keeps a master copy in this
+            dtype of every owned dedicated param that is narrower (optimizer state ``"master"``, made from
+            the param at its first step, like ``momentum_buffer``), runs momentum (kept in this dtype),
+            Newton–Schulz and the update on it, and rounds the result into the param, which is what is
+            broadcast. A gradient reduced in a wider ``dedicate_params(reduce_dtype=...)`` feeds it
+            unrounded. Masters are in ``state_dict()`` and in dmuon's optimizer state dicts. Default
+            ``None``: no masters, params updated in their own dtype. Params given a ``param_dtype`` in
+            ``dedicate_params`` already keep their own value on the owner and need no ``master_dtype``.
+            It does not apply to the AdamW params: keep those fp32 and let FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` make the bf16 compute copies. Example::
+
+                model = MyModel().to(torch.bfloat16)
+                dmuon.dedicate_params(model, mesh, predicate, reduce_dtype=torch.float32)
+                ...
+                optimizer = dmuon.Muon(model, lr=0.02, master_dtype=torch.float32)
 
     Example::
 
@@ -232,6 +286,7 @@ class Muon(torch.optim.Optimizer):
         adamw_fused: bool | None = None,
         replicate_async: bool = True,
         ns_backend: str = "direct",
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -258,8 +313,10 @@ class Muon(torch.optim.Optimizer):
         if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
             raise ValueError(f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
         adjust = AdjustLR.parse(adjust_lr_fn)
+        check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
         state = get_state(model)
+        _check_fsdp_compute_dtype(model, state)
         state.bind_if_needed()
         owned = [(dp.fqn, dp.param) for dp in state.dedicated() if dp.owner == state.rank()]
         sharded, replicated = [], []
@@ -288,6 +345,8 @@ class Muon(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused, **adamw_hparams)
         self._dmuon_state: DMuonState = state
         self.replicate_async = bool(replicate_async)
+        #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
+        self.master_dtype: torch.dtype | None = master_dtype
         self._generation = state.generation
         self._building = True
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
@@ -305,8 +364,66 @@ class Muon(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    # ------------------------------------------------------------------ #
+    # Mixed precision                                                      #
+    # ------------------------------------------------------------------ #
+    def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
+        """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank."""
+        if self.master_dtype is None or dp.compute_dtype != dp.dtype:  # param_dtype: its own value is the master
+            return None
+        return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
+
+    def update_dtype(self, dp: DedicatedParam) -> torch.dtype:
+        """The dtype Muon updates ``dp`` in, and keeps its momentum in. Same on every rank."""
+        master = self.state_master_dtype(dp)
+        return master if master is not None else dp.dtype
+
+    def _update_target(self, dp: DedicatedParam) -> Tensor:
+        """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param."""
+        p = dp.param
+        assert p is not None
+        if dp.master is not None:
+            refresh_master_(dp.master, p)
+            return dp.master
+        dtype = self.state_master_dtype(dp)
+        if dtype is None:
+            return p
+        st = self.state[p]
+        if "master" not in st:
+            st["master"] = p.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+        else:
+            refresh_master_(st["master"], p)
+        return st["master"]
+
+    def _owned(self) -> dict[int, DedicatedParam]:
+        state = self._dmuon_state
+        return {id(dp.param): dp for dp in state.dedicated() if dp.owner == state.rank()}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, except that Muon state stays in :meth:`update_dtype`
+        (torch would round an fp32 master and momentum to a bf16 param's dtype)."""
+        muon = [i for i, g in enumerate(self.param_groups) if g["kind"] == "muon"]
+        saved_groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
+        wide: list[tuple[Tensor, torch.dtype, dict[str, Any]]] = []  # (param, dtype, saved entry)
+        if muon and len(saved_groups) == len(self.param_groups):
+            owned = self._owned()
+            saved_ids = saved_groups[muon[0]]["params"]
+            for p, pid in zip(self.param_groups[muon[0]]["params"], saved_ids):
+                entry = state_dict["state"].get(pid, {})
+                dp = owned[id(p)]
+                if "master" in entry and self.state_master_dtype(dp) is None:
+                    raise ValueError(
+                        f"dmuon.Muon.load_state_dict: the state of {dp.fqn} has a 'master' but this optimizer keeps "
+                        f"none for it ({dp.dtype}, master_dtype={self.master_dtype}); build dmuon.Muon with the "
+                        "master_dtype the state was saved with. Nothing was loaded."
+                    )
+                if self.update_dtype(dp) != p.dtype and entry:
+                    wide.append((p, self.update_dtype(dp), entry))
         super().load_state_dict(state_dict)
+        for p, dtype, entry in wide:
+            for k in ("master", "momentum_buffer"):
+                if k in entry:
+                    self.state[p][k] = entry[k].to(device=p.device, dtype=dtype)
         # Optimizer.load_state_dict builds new group dicts and a new state map: re-share them with AdamW.
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
         self._adamw.state = self.state
@@ -318,7 +435,11 @@ class Muon(torch.optim.Optimizer):
         for dp in self._dmuon_state.dedicated():
             if dp.param is not None and dp.owner != self._dmuon_state.rank():
                 dp.param.grad = None
-            dp.local_grad = dp.stashed_grad = None
+            dp.local_grad = dp.stashed_grad = dp.unsynced_grad = None
+            if set_to_none or dp.main_grad is None:
+                dp.main_grad = None
+            else:
+                dp.main_grad.zero_()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -334,25 +455,34 @@ class Muon(torch.optim.Optimizer):
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
         state.wait_all_reduces()
+        owned = self._owned()
         for group in self.param_groups:
             if group["kind"] != "muon":
                 continue
             # same-shape matrices this rank owns go through Newton-Schulz as one batch
-            by_shape: dict[tuple, list[Tensor]] = {}
+            by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
             for p in group["params"]:
-                if p.grad is None:
+                dp = owned[id(p)]
+                grad = dp.reduced_grad()
+                if grad is None:
                     continue
+                target = self._update_target(dp)  # p itself unless it has a master
+                grad = grad.to(target.dtype)  # a no-op without mixed precision
                 st = self.state[p]
                 if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                by_shape.setdefault((tuple(p.shape), p.dtype, p.grad.dtype), []).append(p)
-            for ps in by_shape.values():
+                    st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                by_shape.setdefault((tuple(p.shape), target.dtype, grad.dtype), []).append((p, target, grad))
+            for items in by_shape.values():
                 muon_update_batch_(
-                    ps, [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps], lr=group["lr"],
+                    [t for _, t, _ in items], [g for _, _, g in items],
+                    [self.state[p]["momentum_buffer"] for p, _, _ in items], lr=group["lr"],
                     weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
                     ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"], eps=group["eps"],
                     adjust_lr_fn=AdjustLR.parse(group["adjust_lr_fn"]), ns_backend=group.get("ns_backend", "direct"),
                 )
+                for p, target, _ in items:
+                    if target is not p:
+                        p.copy_(target)  # round into the compute copy the next forward broadcasts
         self._adamw.step()
         state.publish_updates()
         if not self.replicate_async:

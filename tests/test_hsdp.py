@@ -186,7 +186,8 @@ def test_counters_split_by_mesh_dimension(runs):
         per_rank = [res["async_z3"]["counts"][step] for res in runs]
         for c in per_rank:
             # every row broadcasts all of P within its shard group, and reduces all of P within it
-            assert c["forward_broadcast"]["by_dim"] == {"shard": {"elements": P, "calls": c["forward_broadcast"]["calls"]}}
+            assert c["forward_broadcast"]["by_dim"] == {
+                "shard": {"elements": P, "bytes": 4 * P, "calls": c["forward_broadcast"]["calls"]}}  # fp32
             assert c["backward_broadcast"]["elements"] == P
             assert c["reduce"]["by_dim"]["shard"]["elements"] == P
         # each tensor's column holds it on both rows: the replicate stage moves it once per holder
