@@ -159,7 +159,7 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
     ns = ns or {}
     return model, dmuon.Muon(model, lr=lr, ns_coefficients=ns.get("ns_coefficients", KJ),
                              ns_backend=ns.get("ns_backend", "direct"), adamw_lr=adamw_lr,
-                             adamw_fused=_adamw_kw(device).get("fused"))
+                             adamw_fused=_adamw_kw(device).get("fused"), master_dtype=ns.get("master_dtype"))
 
 
 def _time_variant(variant: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh) -> Timing:
@@ -247,7 +247,8 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def _ns_options(args: argparse.Namespace) -> dict[str, Any]:
     """dmuon's Newton-Schulz options from the command line (torch's form and coefficients by default)."""
     coefficients: Any = KJ if args.ns_coefficients == "keller_jordan" else args.ns_coefficients
-    return {"ns_backend": args.ns_backend, "ns_coefficients": coefficients}
+    master = {"none": None, "fp32": torch.float32}[args.master_dtype]
+    return {"ns_backend": args.ns_backend, "ns_coefficients": coefficients, "master_dtype": master}
 
 
 def _chart(results: list[Timing], path: str) -> None:
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--simulate-world-size", type=int, default=0)
+    parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
+                        help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...))")
     parser.add_argument("--dmuon-wrap", choices=["layers", "root"], default="layers",
                         help="dmuon variants: fully_shard each layer and the root (the recipe), or only the root "
                              "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit)")
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq,
                            "ns_backend": args.ns_backend, "ns_coefficients": args.ns_coefficients,
-                           "dmuon_wrap": args.dmuon_wrap}
+                           "dmuon_wrap": args.dmuon_wrap, "master_dtype": args.master_dtype}
     if args.simulate_world_size:
         if args.preset == "tiny":
             parser.error("--simulate-world-size needs a Llama preset (125m, 1b, 3b, 8b)")
