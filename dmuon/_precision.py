@@ -12,7 +12,10 @@ updates instead of the parameter, rounding the result back into it after every s
 In both cases the parameter is the authority: a master only carries the bits below the parameter's
 precision. Whatever writes the parameter directly (``set_model_state_dict`` alone, a manual edit
 followed by ``broadcast_all_updates``, an init after ``dedicate_params``) wins: the master restarts from
-it (:func:`refresh_master_`) instead of silently undoing the write at the next step.
+it (:func:`refresh_master_`) instead of silently undoing the write at the next step. The check is
+skipped while the parameter's version counter shows no write since master and parameter last agreed,
+so it costs nothing per step; a write that bypasses the counter (``param.data.copy_(...)``) is not
+seen.
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ def check_float_dtype(what: str, value: object) -> None:
 
 
 @torch.no_grad()
-def refresh_master_(master: torch.Tensor, param: torch.Tensor) -> None:
+def refresh_master_(master: torch.Tensor, param: torch.Tensor, seen_version: int | None = None) -> int:
     """``master <- param`` unless ``param`` is exactly ``master`` rounded to ``param``'s dtype, in place and
-    without a host sync. See [Note: master weights]."""
-    stale = (master.to(param.dtype) != param).any()
-    master.copy_(torch.where(stale, param.to(master.dtype), master))
+    without a host sync. See [Note: master weights].
+
+    ``seen_version`` is ``param._version`` when master and param last agreed: if the parameter's version
+    counter has not moved since, nothing wrote it through the parameter and the element-wise check (two
+    extra passes over the master every step) is skipped. Returns the version to remember.
+    """
+    if seen_version is None or param._version != seen_version:
+        stale = (master.to(param.dtype) != param).any()
+        master.copy_(torch.where(stale, param.to(master.dtype), master))
+    return param._version

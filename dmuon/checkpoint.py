@@ -609,3 +609,5 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                     g[k] = v
         opt.state.clear()
         opt.state.update(new_state)
+        for dp in state.dedicated():
+            dp.seen_version = None  # new masters: compare them with the params once at the next step

@@ -103,6 +103,9 @@ class DedicatedParam:
     #: Owner only, when ``compute_dtype != dtype``: the value in ``dtype``; the parameter is its rounded
     #: compute copy. See [Note: mixed precision].
     master: torch.Tensor | None = None
+    #: ``param._version`` when the owner's master (either kind) and the param last agreed; ``None``:
+    #: unknown, compare them (see ``refresh_master_``).
+    seen_version: int | None = None
     #: Owner only, when the reduce dtype is wider than ``compute_dtype``: the averaged gradient in the
     #: reduce dtype, in place of ``param.grad``.
     main_grad: torch.Tensor | None = None
@@ -129,13 +132,14 @@ class DedicatedParam:
 
         See [Note: master weights] in ``dmuon/_precision.py``."""
         if self.master is not None and self.param is not None:
-            refresh_master_(self.master, self.param)
+            self.seen_version = refresh_master_(self.master, self.param, self.seen_version)
 
     def write_back(self) -> None:
         """Owner: round :attr:`master` into the parameter (the compute copy the next forward broadcasts)."""
         if self.master is not None and self.param is not None:
             with torch.no_grad():
                 self.param.copy_(self.master)
+            self.seen_version = self.param._version
 
 
 @dataclass(eq=False)
@@ -266,6 +270,7 @@ class BoundaryGroup:
                     dp.param = p
                     dp.local_grad = dp.stashed_grad = dp.main_grad = dp.unsynced_grad = None
                     dp.grad_is_reduced = False
+                    dp.seen_version = None
                     register_hooks(dp)
                 if not self.is_holder(b):
                     flat.untyped_storage().resize_(0)

@@ -383,7 +383,7 @@ class Muon(torch.optim.Optimizer):
         p = dp.param
         assert p is not None
         if dp.master is not None:
-            refresh_master_(dp.master, p)
+            dp.refresh_master()
             return dp.master
         dtype = self.state_master_dtype(dp)
         if dtype is None:
@@ -391,8 +391,9 @@ class Muon(torch.optim.Optimizer):
         st = self.state[p]
         if "master" not in st:
             st["master"] = p.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+            dp.seen_version = p._version
         else:
-            refresh_master_(st["master"], p)
+            dp.seen_version = refresh_master_(st["master"], p, dp.seen_version)
         return st["master"]
 
     def _owned(self) -> dict[int, DedicatedParam]:
@@ -420,6 +421,8 @@ class Muon(torch.optim.Optimizer):
                 if self.update_dtype(dp) != p.dtype and entry:
                     wide.append((p, self.update_dtype(dp), entry))
         super().load_state_dict(state_dict)
+        for dp in self._dmuon_state.dedicated():
+            dp.seen_version = None  # new masters: compare them with the params once at the next step
         for p, dtype, entry in wide:
             for k in ("master", "momentum_buffer"):
                 if k in entry:
@@ -483,6 +486,7 @@ class Muon(torch.optim.Optimizer):
                 for p, target, _ in items:
                     if target is not p:
                         p.copy_(target)  # round into the compute copy the next forward broadcasts
+                        owned[id(p)].seen_version = p._version
         self._adamw.step()
         state.publish_updates()
         if not self.replicate_async:

@@ -597,3 +597,21 @@ def test_checkpoints_hold_the_masters(restarted):
         assert saved["optim"]["state"][key]["momentum_buffer"].dtype == FP32
         plain = build_model(seed=5)
         plain.load_state_dict(saved["model"], strict=True)
+
+
+def test_refresh_skips_the_check_until_the_param_is_written():
+    """The per-step master check costs nothing while the param's version counter shows no write."""
+    from dmuon._precision import refresh_master_
+
+    p = torch.nn.Parameter(torch.randn(4, 6).bfloat16())
+    master = p.detach().float() * (1 + 2**-12)  # low bits only the master knows: rounds back to p
+    assert torch.equal(master.bfloat16(), p.detach())
+    v = refresh_master_(master, p)  # unknown version: compares, they agree, master kept
+    keep = master.clone()
+    master[0, 0] += 1.0  # a master p does not match any more...
+    assert refresh_master_(master, p, v) == v  # ...is kept: nothing wrote p, so nothing is checked
+    assert master[0, 0] == keep[0, 0] + 1.0
+    with torch.no_grad():
+        p[1, 1] = 7.0  # a direct write bumps the counter: the check runs and the param wins
+    v2 = refresh_master_(master, p, v)
+    assert v2 != v and torch.equal(master, p.detach().float())
