@@ -151,7 +151,8 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
     if not variant.startswith("dmuon") or dmuon_wrap == "layers":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if not variant.startswith("dmuon") or dmuon_wrap != "none":
+        fully_shard(model, mesh=mesh)
     if variant == "fsdp_adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=adamw_lr, **_adamw_kw(device))
     if variant == "naive_fsdp_muon":
@@ -282,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate-world-size", type=int, default=0)
     parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
                         help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...))")
-    parser.add_argument("--dmuon-wrap", choices=["layers", "root"], default="layers",
-                        help="dmuon variants: fully_shard each layer and the root (the recipe), or only the root "
-                             "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit)")
+    parser.add_argument("--dmuon-wrap", choices=["layers", "root", "none"], default="layers",
+                        help="dmuon variants: fully_shard each layer and the root (the recipe), only the root "
+                             "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit), "
+                             "or nothing (other params replicated, gradients averaged by dmuon like DDP)")
     parser.add_argument("--ns-backend", choices=["direct", "gram", "auto"], default="direct",
                         help="dmuon's Newton-Schulz form (default: direct, torch's)")
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
