@@ -204,11 +204,18 @@ class DMuonState:
         p = dp.param
         assert p is not None
         group = self._group_of[dp]
-        dp.handles.append(p.register_hook(lambda grad, dp=dp: self._on_grad(dp)))
         dp.handles.append(p.register_post_accumulate_grad_hook(lambda param, dp=dp, g=group: self._on_accumulated(dp, g)))
+
+    def _arm_stash(self, dp: DedicatedParam) -> None:
+        """``dp.param.grad`` now holds a reduced gradient: set it aside before a further backward
+        accumulates into it (accumulation without ``no_sync``). The hook stays until ``Muon.zero_grad``."""
+        if dp.stash_hook is None and dp.param is not None:
+            dp.stash_hook = dp.param.register_hook(lambda grad, dp=dp: self._on_grad(dp))
 
     def install_hooks(self) -> None:
         self._group_of = {dp: g for g in self.groups for dp in g.params}
+        for g in self.groups:
+            g.on_grad_reduced = self._arm_stash
         for module, g in self.modules_and_groups:
             self._handles.append(module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g), prepend=True))
             self._handles.append(module.register_forward_hook(lambda m, a, o, g=g: self._post_forward(g, o)))
@@ -286,7 +293,11 @@ class DMuonState:
         g.backward_pending = True
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, g=g: self._pre_backward(g), mode="any")
+            if len(tensors) == 1:  # the usual case: a plain tensor hook, cheaper than the multi-grad machinery
+                tensors[0].register_hook(lambda grad, g=g: self._pre_backward(g))
+            else:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads, g=g: self._pre_backward(g),
+                                                              mode="any")
             self._backward_order.append(g)
             if self.reshard_after_forward:
                 g.reshard()
@@ -319,7 +330,6 @@ class DMuonState:
 
     def _on_grad(self, dp: DedicatedParam) -> None:
         """Before autograd accumulates into ``.grad``: set aside a gradient that was already reduced."""
-        self._queue_end_of_backward()
         p = dp.param
         assert p is not None
         if dp.grad_is_reduced:
@@ -329,6 +339,7 @@ class DMuonState:
             dp.grad_is_reduced = False
 
     def _on_accumulated(self, dp: DedicatedParam, g: BoundaryGroup) -> None:
+        self._queue_end_of_backward()
         p = dp.param
         assert p is not None
         wide = g.main_grad_dtype(dp)

@@ -112,6 +112,15 @@ class DedicatedParam:
     #: Local gradient summed in the reduce dtype over ``no_sync`` backwards (same condition).
     unsynced_grad: torch.Tensor | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
+    #: Owner only: the tensor hook that sets a reduced gradient aside before autograd accumulates into
+    #: it. Registered only while there is such a gradient (see ``BoundaryGroup.on_grad_reduced``), so
+    #: an ordinary backward runs no per-parameter pre-hook at all.
+    stash_hook: RemovableHandle | None = None
+
+    def disarm_stash(self) -> None:
+        if self.stash_hook is not None:
+            self.stash_hook.remove()
+            self.stash_hook = None
 
     def current(self) -> nn.Parameter:
         return self.module._parameters[self.name]  # type: ignore[return-value]
@@ -215,6 +224,9 @@ class BoundaryGroup:
             self.buckets.append(Bucket(column, dps, offsets, total))
         self.state = GroupState.SHARDED
         self.backward_pending = False
+        #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the state:
+        #: it arms the stash hook).
+        self.on_grad_reduced: Callable[[DedicatedParam], None] | None = None
         self._bound = False
         self._pending_unshard: list[C.PendingComm] = []
 
@@ -265,6 +277,7 @@ class BoundaryGroup:
                     for h in dp.handles:
                         h.remove()
                     dp.handles.clear()
+                    dp.disarm_stash()
                     p.data = view
                     setattr(p, DEDICATED_ATTR, dp.owner)
                     dp.param = p
@@ -437,6 +450,8 @@ class BoundaryGroup:
                         g = dp.stashed_grad.add_(g)
                         dp.stashed_grad = None
                     dp.param.grad = g
+                    if self.on_grad_reduced is not None:
+                        self.on_grad_reduced(dp)
                 dp.grad_is_reduced = True
         self.state = GroupState.SHARDED
 

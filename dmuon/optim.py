@@ -439,6 +439,10 @@ class Muon(torch.optim.Optimizer):
             if dp.param is not None and dp.owner != self._dmuon_state.rank():
                 dp.param.grad = None
             dp.local_grad = dp.stashed_grad = dp.unsynced_grad = None
+            if dp.param is not None and dp.param.grad is None:
+                # nothing left to set aside before the next backward: no per-parameter hook in it
+                dp.grad_is_reduced = False
+                dp.disarm_stash()
             if set_to_none or dp.main_grad is None:
                 dp.main_grad = None
             else:

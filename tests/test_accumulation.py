@@ -58,3 +58,48 @@ def test_no_gradient_traffic_inside_no_sync(runs, zero, variant):
         # weights still travel for every micro-batch
         assert c["forward_broadcast"]["elements"] == P, c
         assert c["backward_broadcast"]["elements"] == (P if zero == "z3" else 0), c
+
+
+def stash_hook_job(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from tests._training import KJ, batches, build_model, projection_predicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model()
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    dps = [dp for dp in model._dmuon_state.dedicated() if dp.owner == rank]
+
+    def armed() -> int:
+        return sum(dp.stash_hook is not None for dp in dps)
+
+    seen = []
+    (t1, y1), (t2, y2) = batches(2)
+    opt.zero_grad()
+    seen.append(armed())                         # fresh: no per-parameter pre-hook
+    model(t1, y1).loss.backward()
+    seen.append(armed())                         # reduce issued, not finished: still none
+    model(t2, y2).loss.backward()                # accumulation without no_sync: the second
+    seen.append(armed())                         # backward found reduced grads and armed them
+    opt.step()
+    opt.zero_grad()
+    seen.append(armed())                         # grads gone: disarmed
+    model(t1, y1).loss.backward()
+    opt.step()
+    seen.append(armed())                         # the step's reduce left grads in .grad
+    opt.zero_grad(set_to_none=False)
+    seen.append(armed())                         # zeroed, not None: stays armed
+    del model
+    return dict(seen=seen, owned=len(dps))
+
+
+def test_stash_hook_lives_only_while_a_reduced_grad_can_be_accumulated_into():
+    for res in run_distributed(stash_hook_job, 2):
+        n = res["owned"]
+        assert n > 0
+        assert res["seen"] == [0, 0, n, 0, n, n]
