@@ -166,6 +166,8 @@ class Bucket:
     flat: torch.Tensor | None = None
     #: In-flight gradient reduce (stage 1): the buffer and the params it covers, in buffer order.
     pending_reduce: tuple[C.PendingComm, list[DedicatedParam]] | None = None
+    #: World size 1: the local gradients themselves, nothing to average (no concatenation copy).
+    pending_local: tuple[list[torch.Tensor], list[DedicatedParam]] | None = None
     #: In-flight publishes of updated weights over the replicate group (holders only).
     pending_publish: list[C.PendingComm] = field(default_factory=list)
     #: Holders' copies not yet synced from the owners (after a bind or a checkpoint load).
@@ -403,6 +405,11 @@ class BoundaryGroup:
                 continue
             assert b.flat is not None
             dtype = self.reduce_dtype if self.reduce_dtype is not None else b.flat.dtype
+            if self.ctx.world_size == 1:  # a one-rank job: the local gradient is the average
+                b.pending_local = ([dp.local_grad.to(dtype) for dp in ready], ready)  # type: ignore[union-attr]
+                for dp in ready:
+                    dp.local_grad = None
+                continue
             grads = [dp.local_grad.reshape(-1).to(dtype) for dp in ready]  # type: ignore[union-attr]
             flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
             for dp in ready:
@@ -419,6 +426,11 @@ class BoundaryGroup:
             return
         S = self.ctx.shard_size
         for b in self.buckets:
+            if b.pending_local is not None:
+                grads, ready = b.pending_local
+                b.pending_local = None
+                for dp, grad in zip(ready, grads):
+                    self._deliver(dp, grad)
             if b.pending_reduce is None:
                 continue
             pending, ready = b.pending_reduce
@@ -435,25 +447,27 @@ class BoundaryGroup:
             off = 0
             for dp in ready:
                 n = dp.shape.numel()
-                assert dp.param is not None
-                if dp.owner != self.ctx.rank:
-                    off += n
-                    continue
-                g = flat_grad[off : off + n].view(dp.shape)
+                if dp.owner == self.ctx.rank:
+                    self._deliver(dp, flat_grad[off : off + n].view(dp.shape))
                 off += n
-                if self.main_grad_dtype(dp) is not None:
-                    # a gradient already reduced (accumulation without no_sync) sits in main_grad itself
-                    dp.main_grad = g if dp.main_grad is None else dp.main_grad.add_(g)
-                else:
-                    g = g.to(dp.param.dtype)
-                    if dp.stashed_grad is not None:
-                        g = dp.stashed_grad.add_(g)
-                        dp.stashed_grad = None
-                    dp.param.grad = g
-                    if self.on_grad_reduced is not None:
-                        self.on_grad_reduced(dp)
-                dp.grad_is_reduced = True
         self.state = GroupState.SHARDED
+
+    def _deliver(self, dp: DedicatedParam, g: torch.Tensor) -> None:
+        """Owner: hand ``dp`` its averaged gradient (``main_grad`` in a wider reduce dtype, else ``.grad``),
+        adding a gradient set aside or already reduced in this accumulation."""
+        assert dp.param is not None
+        if self.main_grad_dtype(dp) is not None:
+            # a gradient already reduced (accumulation without no_sync) sits in main_grad itself
+            dp.main_grad = g if dp.main_grad is None else dp.main_grad.add_(g)
+        else:
+            g = g.to(dp.param.dtype)
+            if dp.stashed_grad is not None:
+                g = dp.stashed_grad.add_(g)
+                dp.stashed_grad = None
+            dp.param.grad = g
+            if self.on_grad_reduced is not None:
+                self.on_grad_reduced(dp)
+        dp.grad_is_reduced = True
 
     # ------------------------------------------------------------------ #
     # Introspection                                                        #

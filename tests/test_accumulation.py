@@ -103,3 +103,31 @@ def test_stash_hook_lives_only_while_a_reduced_grad_can_be_accumulated_into():
         n = res["owned"]
         assert n > 0
         assert res["seen"] == [0, 0, n, 0, n, n]
+
+
+def one_rank_accumulation_job(rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from tests._training import KJ, batches, build_model, projection_predicate
+
+    data = batches(3)
+    plain = build_model()
+    for tok, tgt in data:  # torch's own accumulation into .grad
+        plain(tok, tgt).loss.backward()
+    want = {n: p.grad.clone() for n, p in plain.named_parameters() if projection_predicate(n, p)}
+    model = build_model()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (1,)), projection_predicate)
+    dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    for tok, tgt in data:  # no no_sync: each backward "reduces", later ones accumulate on top
+        model(tok, tgt).loss.backward()
+    dmuon.wait_all_reduces(model)
+    got = {n: p.grad.clone() for n, p in dmuon.get_owned_params(model).items()}
+    del model
+    return dict(same=sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want))
+
+
+def test_one_rank_accumulation_without_no_sync_equals_torch_bitwise():
+    # world size 1 hands the local gradients over without a copy; accumulation must still add up as torch's
+    assert run_distributed(one_rank_accumulation_job, 1)[0]["same"]
