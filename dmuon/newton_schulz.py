@@ -56,6 +56,7 @@ __all__ = [
     "KELLER_JORDAN_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "COEFFICIENT_SCHEDULES",
+    "Coefficients",
     "NS_BACKENDS",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_WORK",
@@ -89,6 +90,9 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = _with_safet
     (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
     (1.875, -1.25, 0.375),
 ), 1.01)
+
+#: What ``coefficients`` accepts: one ``(a, b, c)``, a per-step sequence of them, or a schedule name.
+Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]] | str
 
 #: Named schedules accepted wherever ``coefficients`` are.
 COEFFICIENT_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -187,7 +191,7 @@ def _validate(
 def newton_schulz(
     G: Tensor,
     steps: int = DEFAULT_NS_STEPS,
-    coefficients: tuple[float, float, float] | Sequence[tuple[float, float, float]] | str = KELLER_JORDAN_COEFFICIENTS,
+    coefficients: Coefficients = KELLER_JORDAN_COEFFICIENTS,
     eps: float = DEFAULT_EPS,
     *,
     backend: str = "direct",
@@ -252,7 +256,7 @@ def newton_schulz(
 def newton_schulz_native(
     G: Tensor,
     steps: int = DEFAULT_NS_STEPS,
-    coefficients: tuple[float, float, float] | Sequence[tuple[float, float, float]] | str = KELLER_JORDAN_COEFFICIENTS,
+    coefficients: Coefficients = KELLER_JORDAN_COEFFICIENTS,
     eps: float = DEFAULT_EPS,
     *,
     backend: str = "direct",

@@ -34,6 +34,7 @@ from ._state import DMuonState, get_state
 from .group import DedicatedParam
 from .newton_schulz import (
     DEFAULT_EPS,
+    Coefficients,
     DEFAULT_NS_STEPS,
     KELLER_JORDAN_COEFFICIENTS,
     newton_schulz_native,
@@ -44,7 +45,7 @@ from .newton_schulz import (
 __all__ = ["Muon", "AdjustLR", "adjusted_lr", "muon_update_", "muon_update_batch_"]
 
 #: What ``ns_coefficients`` accepts: one ``(a, b, c)``, a per-step sequence, or a schedule name.
-NSCoefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]] | str
+NSCoefficients = Coefficients
 
 
 class AdjustLR(enum.Enum):
