@@ -49,7 +49,8 @@ without waiting. Backward does the same along the reverse of this step's grad-en
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -203,14 +204,13 @@ class DMuonState:
     def _register_param_hooks(self, dp: DedicatedParam) -> None:
         p = dp.param
         assert p is not None
-        group = self._group_of[dp]
-        dp.handles.append(p.register_post_accumulate_grad_hook(lambda param, dp=dp, g=group: self._on_accumulated(dp, g)))
+        dp.handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self, dp, DMuonState._on_accumulated)))
 
     def _arm_stash(self, dp: DedicatedParam) -> None:
         """``dp.param.grad`` now holds a reduced gradient: set it aside before a further backward
         accumulates into it (accumulation without ``no_sync``). The hook stays until ``Muon.zero_grad``."""
         if dp.stash_hook is None and dp.param is not None:
-            dp.stash_hook = dp.param.register_hook(lambda grad, dp=dp: self._on_grad(dp))
+            dp.stash_hook = dp.param.register_hook(_weak_hook(self, dp, DMuonState._on_grad))
 
     def install_hooks(self) -> None:
         self._group_of = {dp: g for g in self.groups for dp in g.params}
@@ -338,8 +338,9 @@ class DMuonState:
                 p.grad = None
             dp.grad_is_reduced = False
 
-    def _on_accumulated(self, dp: DedicatedParam, g: BoundaryGroup) -> None:
+    def _on_accumulated(self, dp: DedicatedParam) -> None:
         self._queue_end_of_backward()
+        g = self._group_of[dp]
         p = dp.param
         assert p is not None
         wide = g.main_grad_dtype(dp)
@@ -454,6 +455,25 @@ class DMuonState:
                     p.grad.copy_(g)  # type: ignore[union-attr]
                 elif any_grad:
                     p.grad = g.to(p.device, copy=True)
+
+
+def _weak_hook(state: DMuonState, dp: DedicatedParam, method: Callable[[DMuonState, DedicatedParam], None]
+               ) -> Callable[[Any], None]:
+    """A parameter hook calling ``method(state, dp)`` that holds both weakly.
+
+    torch keeps a parameter's hooks where Python's garbage collector cannot follow them (the tensor is
+    also owned from C++), so a hook that referenced the state strongly would close a cycle the collector
+    never frees: parameter -> hook -> state -> model -> parameter, keeping every weight, gradient and
+    buffer of a dropped model alive (measured: a dropped 1B model left 6.5 GiB allocated).
+    """
+    state_ref, dp_ref = weakref.ref(state), weakref.ref(dp)
+
+    def hook(_: Any) -> None:
+        st, d = state_ref(), dp_ref()
+        if st is not None and d is not None:
+            method(st, d)
+
+    return hook
 
 
 def get_state(model: nn.Module) -> DMuonState:
