@@ -8,6 +8,9 @@
 * ``fwdbwd``: torch profiler summary of one forward+backward of the 1B preset for the unwrapped model,
   FSDP2 and dmuon Z3: host (CPU) time vs device kernel time and the costliest host-side ops.
 * ``opt``: the same for one ``optimizer.step()``.
+* ``overlap`` (under torchrun, 2+ GPUs): one forward+backward of dmuon Z3 (root wrap) profiled on every
+  rank; how much of the NCCL kernels' time runs while a compute kernel runs (the overlap that async
+  collectives and prefetch are for).
 
 Not a test; results go to DIR/*.txt and DIR/ns.json.
 """
@@ -128,6 +131,71 @@ def part_model(out_dir: str, what: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _covered(a: float, b: float, merged: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
+
+
+def part_overlap(out_dir: str) -> None:
+    from torch.autograd import DeviceType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from dmuon import bench
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    mesh = init_device_mesh("cuda", (world,))
+    vocab = bench.BENCH_PRESETS["1b"][5]
+    tok = torch.randint(0, vocab, (4, 2049), device=device, generator=torch.Generator(device).manual_seed(rank))
+    x, y = tok[:, :-1], tok[:, 1:]
+    model, opt = bench._build("dmuon_z3", "1b", device, torch.bfloat16, mesh,
+                              {"ns_backend": "auto", "ns_coefficients": "polar_express"}, "root")
+
+    def fwdbwd() -> None:
+        opt.zero_grad()
+        model(x, y).loss.backward()
+        torch.cuda.synchronize()
+
+    for _ in range(3):
+        fwdbwd()
+        opt.step()
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwdbwd()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    compute = _union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+    comm_total = sum(b - a for a, b in comm)
+    hidden = sum(_covered(a, b, compute) for a, b in comm)
+    line = (f"rank {rank}: fwd+bwd with {len(comm)} NCCL kernels, {comm_total / 1e3:.2f} ms of NCCL kernel time, "
+            f"{hidden / 1e3:.2f} ms of it ({100 * hidden / max(comm_total, 1e-9):.0f}%) while compute kernels ran")
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        text = "\n".join(lines)  # type: ignore[arg-type]
+        print(text, flush=True)
+        with open(os.path.join(out_dir, "overlap.txt"), "w") as f:
+            f.write(text + "\n")
+    del model, opt
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -135,6 +203,9 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")
+    if "overlap" in parts:
+        part_overlap(args.out)
+        return
     if "ns" in parts:
         part_ns(args.out)
     for what in ("fwdbwd", "opt"):
