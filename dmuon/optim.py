@@ -44,8 +44,6 @@ from .newton_schulz import (
 
 __all__ = ["Muon", "AdjustLR", "adjusted_lr", "muon_update_", "muon_update_batch_"]
 
-#: What ``ns_coefficients`` accepts: one ``(a, b, c)``, a per-step sequence, or a schedule name.
-NSCoefficients = Coefficients
 
 
 class AdjustLR(enum.Enum):
@@ -88,7 +86,7 @@ def muon_update_(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    ns_coefficients: NSCoefficients,
+    ns_coefficients: Coefficients,
     eps: float,
     adjust_lr_fn: AdjustLR,
     ns_backend: str = "direct",
@@ -120,7 +118,7 @@ def muon_update_batch_(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    ns_coefficients: NSCoefficients,
+    ns_coefficients: Coefficients,
     eps: float,
     adjust_lr_fn: AdjustLR,
     ns_backend: str = "direct",
@@ -274,7 +272,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = DEFAULT_NS_STEPS,
-        ns_coefficients: NSCoefficients = KELLER_JORDAN_COEFFICIENTS,
+        ns_coefficients: Coefficients = KELLER_JORDAN_COEFFICIENTS,
         eps: float = DEFAULT_EPS,
         weight_decay: float = 0.0,
         adjust_lr_fn: str | None = None,

@@ -499,8 +499,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         model = model_parts[0]
         muon = dmuon.Muon(
             model, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
-            ns_coefficients=(config.ns_coefficients if isinstance(config.ns_coefficients, str)
-                             else tuple(config.ns_coefficients)),
+            ns_coefficients=config.ns_coefficients,
             ns_backend=config.ns_backend, eps=config.eps, weight_decay=config.weight_decay,
             adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
