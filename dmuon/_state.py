@@ -439,9 +439,11 @@ class DMuonState:
                 (p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=p.device))
                 for p in ps
             ]
-            # flags made on the device (a host list -> CUDA tensor copy would synchronise)
-            flags = [(torch.ones if has else torch.zeros)(1, dtype=dtype, device=dev) for has in had_local]
-            flat = torch.cat([t.to(dev) for t in parts] + flags)
+            # all present (the usual case): flags made on the device, no host->device copy; otherwise this
+            # rank reads the result on the host below anyway
+            flags = (torch.ones(len(ps), dtype=dtype, device=dev) if all(had_local)
+                     else torch.tensor(had_local, dtype=dtype).to(dev))
+            flat = torch.cat([t.to(dev) for t in parts] + [flags])
             C.wait(C.all_reduce_avg(self.ctx, flat, CommKind.REPLICATED_GRAD_ALL_REDUCE, "replicated grads"))
             total = sum(p.numel() for p in ps)
             # host read only on a rank that lacks a gradient: did any other rank have one?

@@ -411,7 +411,9 @@ class BoundaryGroup:
                     dp.local_grad = None
                 continue
             grads = [dp.local_grad.reshape(-1).to(dtype) for dp in ready]  # type: ignore[union-attr]
-            flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+            # one param: its own gradient is the buffer (dmuon took it from .grad; nobody else holds it), so
+            # no copy; with W ranks a bucket usually holds one matrix, so this is most buckets at scale
+            flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0]
             for dp in ready:
                 dp.local_grad = None
             b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.column, CommKind.REDUCE, self.fqn), ready)
