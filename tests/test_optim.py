@@ -76,7 +76,8 @@ def _oracle() -> list[float]:
     return losses
 
 
-def optim_job(rank: int, world: int) -> dict:
+def _sharded_model_and_muon(world: int, **ns) -> tuple[torch.nn.Module, dmuon.Muon]:
+    """The test model under dmuon + FSDP2 (per layer and root) with HP/ADAMW; ``ns``: Newton-Schulz options."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -86,8 +87,13 @@ def optim_job(rank: int, world: int) -> dict:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_coefficients=KJ, **HP, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+    opt = dmuon.Muon(model, **HP, **(ns or dict(ns_coefficients=KJ)), adamw_lr=ADAMW["lr"],
+                     adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+    return model, opt
+
+
+def optim_job(rank: int, world: int) -> dict:
+    model, opt = _sharded_model_and_muon(world)
     kinds = [g["kind"] for g in opt.param_groups]
     names = [list(g["param_names"]) for g in opt.param_groups]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
@@ -169,17 +175,7 @@ NS_FAST = dict(ns_backend="gram", ns_coefficients="polar_express")
 
 
 def fast_ns_job(rank: int, world: int) -> list[float]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model()
-    dmuon.dedicate_params(model, mesh, projection_predicate)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, **HP, **NS_FAST, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+    model, opt = _sharded_model_and_muon(world, **NS_FAST)
     assert opt.param_groups[0]["ns_coefficients"] == "polar_express"
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)  # as the oracle
     losses = []
