@@ -1,4 +1,9 @@
-"""Run a function on N real processes (gloo on CPU) and collect what each rank returns."""
+"""Run a function on N real processes and collect what each rank returns.
+
+By default the ranks are CPU processes on gloo. ``DMUON_TEST_DEVICE=cuda`` re-runs the same jobs on NCCL with
+one GPU per rank (the distributed tests' NCCL pass, issue 7): the jobs get their device from ``device()``,
+and a test module whose jobs do so says ``RUNS_ON_CUDA = True`` (the others are skipped in that pass).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,18 @@ import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = float(os.environ.get("DMUON_TEST_TIMEOUT", "240"))
+#: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)
+DEVICE_TYPE = os.environ.get("DMUON_TEST_DEVICE", "cpu")
+if DEVICE_TYPE not in ("cpu", "cuda"):
+    raise ValueError(f"DMUON_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE_TYPE!r}")
+
+
+def device() -> torch.device:
+    """This process's device: the CPU, or under ``DMUON_TEST_DEVICE=cuda`` the rank's GPU (GPU 0 in pytest's own
+    process, where the single-process oracles run)."""
+    if DEVICE_TYPE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -29,7 +46,11 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if DEVICE_TYPE == "cuda":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         del result
@@ -43,10 +64,19 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
 
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned gloo processes; returns the per-rank results.
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns the per-rank results, on the CPU.
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises with its traceback.
     """
+    if DEVICE_TYPE == "cuda":
+        import sys
+
+        import pytest
+
+        if not getattr(sys.modules[fn.__module__], "RUNS_ON_CUDA", False):
+            pytest.skip(f"{fn.__module__} builds CPU meshes: not part of the NCCL pass")
+        if torch.cuda.device_count() < world:
+            pytest.skip(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
@@ -69,4 +99,4 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
         if errors or hung or any(p.exitcode != 0 for p in procs):
             codes = [p.exitcode for p in procs]
             raise RuntimeError(f"distributed run failed (exit codes {codes}, hung ranks {hung})\n" + "\n".join(errors))
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), map_location="cpu", weights_only=False) for r in range(world)]

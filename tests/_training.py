@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.models import TinyLlama, TinyLlamaConfig, projection_predicate
+from tests._dist import DEVICE_TYPE, device
 
 # [Note: test scale] bf16 rounding inside Newton-Schulz amplifies the last-bit differences that any
 # split of the batch causes (fp32 sums in another order). For this configuration the oracle itself,
@@ -68,7 +69,8 @@ def add_unused_proj(model: TinyLlama) -> None:
 def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""
     torch.manual_seed(0)
-    model = build_model(extra_unused=extra_unused)
+    dev = device()
+    model = build_model(extra_unused=extra_unused).to(dev)
     muon_params = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
     other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
     opt_m = torch.optim.Muon(
@@ -81,12 +83,12 @@ def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False
     for tok, tgt in batches(steps):
         opt_m.zero_grad()
         opt_a.zero_grad()
-        loss = model(tok, tgt).loss
+        loss = model(tok.to(dev), tgt.to(dev)).loss
         loss.backward()
         opt_m.step()
         opt_a.step()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -97,7 +99,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters():
             if name in dedicated:
                 owner = p._dedicated_owner_rank
-                buf = p.detach().clone() if dist.get_rank() == owner else torch.empty(p.shape, dtype=p.dtype)
+                buf = p.detach().clone() if dist.get_rank() == owner else torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 dist.broadcast(buf, src=owner)
                 out[name] = buf
             elif isinstance(p, DTensor):
@@ -139,14 +141,14 @@ class RunOptions:
 
 
 def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
-    """The seed's custom-loop recipe on a CPU mesh; records what the tests compare."""
+    """The seed's custom-loop recipe (on the CPU, or one GPU per rank); records what the tests compare."""
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
     if opts.meta_init:
         with torch.device("meta"):
             model = TinyLlama(CFG)
     else:
-        model = build_model(extra_unused=opts.extra_unused)
+        model = build_model(extra_unused=opts.extra_unused).to(device())
     plan = dmuon.dedicate_params(
         model, mesh, predicate=projection_predicate, reshard_after_forward=opts.reshard_after_forward,
         prefetch=opts.prefetch,
@@ -157,7 +159,7 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     if opts.meta_init:
-        model.to_empty(device="cpu")
+        model.to_empty(device=device())
         model.init_weights(0)
     if opts.checkpoint:
         from torch.utils.checkpoint import checkpoint
@@ -194,10 +196,10 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
 
 
 def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
-    per = GLOBAL_BATCH // world
+    per, dev = GLOBAL_BATCH // world, device()
     losses, counts, between_fwd_bwd, after_step, eval_logits, micro_counts = [], [], [], [], [], []
     for tok, tgt in batches(opts.steps):
-        tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+        tok, tgt = tok[rank * per : (rank + 1) * per].to(dev), tgt[rank * per : (rank + 1) * per].to(dev)
         dmuon.diagnostics.reset_comm_counts(model)
         gathered[0] = 0
         opt.zero_grad()
@@ -227,7 +229,7 @@ def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
         counts.append(dict(dmuon.diagnostics.comm_counts(model), fsdp_all_gather_elements=gathered[0]))
         after_step.append(non_owner_storage_bytes(model))
         with torch.no_grad():
-            eval_logits.append(model(batches(1, seed=99)[0][0][:2]).logits.clone())
+            eval_logits.append(model(batches(1, seed=99)[0][0][:2].to(dev)).logits.clone())
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
@@ -255,7 +257,7 @@ def _accumulate(model, tok, tgt, accum, micro_counts) -> torch.Tensor:
     from contextlib import nullcontext
 
     m = tok.shape[0] // accum
-    total = torch.zeros(())
+    total = torch.zeros((), device=tok.device)
     for i in range(accum):
         ctx = dmuon.no_sync(model) if i < accum - 1 else nullcontext()
         dmuon.diagnostics.reset_comm_counts(model)

@@ -15,9 +15,10 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.models import TinyLlama, TinyLlamaConfig
-from tests._dist import run_distributed
+from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import CFG, KJ, batches, build_model, projection_predicate
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS, SAVE_AT = 10, 5
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 LOSS_RTOL, WEIGHT_RTOL = 1e-4, 5e-3
@@ -27,8 +28,8 @@ LOSS_RTOL, WEIGHT_RTOL = 1e-4, 5e-3
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
 def _setup(world: int, init_seed: int = 0, cfg: TinyLlamaConfig = CFG, z3: bool = True):
-    mesh = init_device_mesh("cpu", (world,))
-    model = TinyLlama(cfg)
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = TinyLlama(cfg).to(device())
     model.init_weights(init_seed)
     dmuon.dedicate_params(model, mesh, projection_predicate, reshard_after_forward=z3)
     for layer in model.layers:
@@ -43,7 +44,7 @@ def _step(model, opt, sched, rank: int, world: int, step: int) -> float:
     tok, tgt = batches(STEPS, global_batch=GLOBAL_BATCH)[step]
     per = GLOBAL_BATCH // world
     opt.zero_grad()
-    loss = model(tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]).loss
+    loss = model(tok[rank * per : (rank + 1) * per].to(device()), tgt[rank * per : (rank + 1) * per].to(device())).loss
     loss.backward()
     opt.step()
     sched.step()
@@ -55,7 +56,7 @@ def _step(model, opt, sched, rank: int, world: int, step: int) -> float:
 def _eval_loss(model) -> float:
     tok, tgt = batches(1, seed=5, global_batch=4)[0]
     with torch.no_grad():
-        return model(tok, tgt).loss.item()
+        return model(tok.to(device()), tgt.to(device())).loss.item()
 
 
 def uninterrupted_job(rank: int, world: int, ckpt_dir: str | None) -> dict:

@@ -1,4 +1,4 @@
-"""HSDP on 4 gloo ranks as a 2 x 2 (replicate, shard) grid: two-stage reduce, post-step publish over the
+"""HSDP on 4 ranks as a 2 x 2 (replicate, shard) grid: two-stage reduce, post-step publish over the
 replicate group (async or not), against the oracle, the 1-D layout, checkpoints and accumulation."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon._state import STATE_ATTR
-from tests._dist import run_distributed
+from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate, train_oracle
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS, SAVE_AT = 10, 5
 LOSS_RTOL, WEIGHT_RTOL = 1e-4, 5e-3
 
@@ -33,11 +34,11 @@ class Run:
 
 def _build(world: int, run: Run):
     if run.hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         fsdp_mesh = mesh
     else:
-        mesh = fsdp_mesh = init_device_mesh("cpu", (world,))
-    model = build_model(seed=run.init_seed)
+        mesh = fsdp_mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model(seed=run.init_seed).to(device())
     if run.hsdp and not run.single_mesh_arg:
         dmuon.dedicate_params(model, mesh["shard"], projection_predicate, replicate_mesh=mesh["replicate"],
                               reshard_after_forward=run.z3)
@@ -54,7 +55,7 @@ def _build(world: int, run: Run):
 def _step(model, opt, rank: int, world: int, step: int, accum: int = 1) -> float:
     tok, tgt = batches(STEPS)[step]
     per = GLOBAL_BATCH // world
-    tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+    tok, tgt = tok[rank * per : (rank + 1) * per].to(device()), tgt[rank * per : (rank + 1) * per].to(device())
     opt.zero_grad()
     m = per // accum
     total = 0.0
@@ -65,7 +66,7 @@ def _step(model, opt, rank: int, world: int, step: int, accum: int = 1) -> float
         total += loss.item()
     opt.step()
     # a logger's all-reduce on the default group, right between step() and the next forward
-    logged = torch.tensor(total)
+    logged = torch.tensor(total, device=device())
     dist.all_reduce(logged, op=dist.ReduceOp.AVG)
     return logged.item()
 
@@ -115,8 +116,8 @@ def hsdp_job(rank: int, world: int) -> dict:
 
 
 def misuse_job(rank: int, world: int) -> dict:
-    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = build_model()
+    hsdp = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = build_model().to(device())
     before = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     try:
         # the shard mesh twice: its ranks cannot be a replicate column

@@ -14,6 +14,7 @@ import torch
 from tests._dist import run_distributed
 from tests._training import RunOptions, train_dmuon, train_oracle
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 20
 LOSS_RTOL = 1e-4
 WEIGHT_RTOL = 5e-3

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import fully_shard
 import dmuon
 from dmuon._state import STATE_ATTR, _OrderCursor
 from dmuon.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
-from tests._dist import run_distributed
+from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, RunOptions, batches, full_weights, train_dmuon
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 4
 KINDS = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_publish", "replicated_grad_all_reduce")
 
@@ -172,10 +173,10 @@ def _checkpointed(fwd):
 def routed_train(rank: int, world: int, s: Setup) -> dict:
     torch.manual_seed(0)
     if s.hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
-    model = RoutedLlama(CFG4)
+        mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = RoutedLlama(CFG4).to(device())
     model.init_weights(0)
     dmuon.dedicate_params(model, mesh, projection_predicate, reshard_after_forward=s.z3, prefetch=s.prefetch)
     if s.fsdp:
@@ -212,7 +213,7 @@ def routed_train(rank: int, world: int, s: Setup) -> dict:
     try:
         for step, route in enumerate(s.routes):
             step_box[0] = step
-            tok, tgt = (t[rank * per : (rank + 1) * per] for t in data[step])
+            tok, tgt = (t[rank * per : (rank + 1) * per].to(device()) for t in data[step])
             dmuon.diagnostics.reset_comm_counts(model)
             opt.zero_grad()
             model.route = route
