@@ -63,6 +63,11 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
         raise
 
 
+def world_available(world: int) -> bool:
+    """Whether this pass can run ``world`` ranks (always on the CPU; one GPU per rank under CUDA)."""
+    return DEVICE_TYPE == "cpu" or torch.cuda.device_count() >= world
+
+
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; returns the per-rank results, on the CPU.
 
@@ -75,7 +80,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
 
         if not getattr(sys.modules[fn.__module__], "RUNS_ON_CUDA", False):
             pytest.skip(f"{fn.__module__} builds CPU meshes: not part of the NCCL pass")
-        if torch.cuda.device_count() < world:
+        if not world_available(world):
             pytest.skip(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
@@ -99,4 +104,5 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
         if errors or hung or any(p.exitcode != 0 for p in procs):
             codes = [p.exitcode for p in procs]
             raise RuntimeError(f"distributed run failed (exit codes {codes}, hung ranks {hung})\n" + "\n".join(errors))
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), map_location="cpu", weights_only=False) for r in range(world)]
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), map_location="cpu", weights_only=False)
+                for r in range(world)]

@@ -99,7 +99,8 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters():
             if name in dedicated:
                 owner = p._dedicated_owner_rank
-                buf = p.detach().clone() if dist.get_rank() == owner else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                mine = dist.get_rank() == owner
+                buf = p.detach().clone() if mine else torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 dist.broadcast(buf, src=owner)
                 out[name] = buf
             elif isinstance(p, DTensor):

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.models import TinyLlama, TinyLlamaConfig
-from tests._dist import DEVICE_TYPE, device, run_distributed
+from tests._dist import DEVICE_TYPE, device, run_distributed, world_available
 from tests._training import CFG, KJ, batches, build_model, projection_predicate
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
@@ -44,7 +44,8 @@ def _step(model, opt, sched, rank: int, world: int, step: int) -> float:
     tok, tgt = batches(STEPS, global_batch=GLOBAL_BATCH)[step]
     per = GLOBAL_BATCH // world
     opt.zero_grad()
-    loss = model(tok[rank * per : (rank + 1) * per].to(device()), tgt[rank * per : (rank + 1) * per].to(device())).loss
+    lo, hi = rank * per, (rank + 1) * per
+    loss = model(tok[lo:hi].to(device()), tgt[lo:hi].to(device())).loss
     loss.backward()
     opt.step()
     sched.step()
@@ -56,7 +57,8 @@ def _step(model, opt, sched, rank: int, world: int, step: int) -> float:
 def _eval_loss(model) -> float:
     tok, tgt = batches(1, seed=5, global_batch=4)[0]
     with torch.no_grad():
-        return model(tok.to(device()), tgt.to(device())).loss.item()
+        dev = next(model.parameters()).device  # a plain model in pytest's process stays on the CPU
+        return model(tok.to(dev), tgt.to(dev)).loss.item()
 
 
 def uninterrupted_job(rank: int, world: int, ckpt_dir: str | None) -> dict:
@@ -169,18 +171,25 @@ def saved(ckpt_dir, original) -> dict:
 def resumed(ckpt_dir, original) -> dict:
     # world: (model dict on rank 0 only?, optimizer dict on rank 0 only?)
     modes = {1: (False, False), 2: (False, False), 3: (True, False), 4: (False, True)}
-    return {w: run_distributed(resume_job, w, ckpt_dir, *modes[w])[0] for w in (2, 1, 3, 4)}
+    # (the NCCL pass runs the world sizes it has GPUs for; the tests of the others skip)
+    return {w: run_distributed(resume_job, w, ckpt_dir, *modes[w])[0] for w in (2, 1, 3, 4) if world_available(w)}
+
+
+def _at(resumed: dict, world: int) -> dict:
+    if world not in resumed:
+        pytest.skip(f"{world} ranks need {world} GPUs")
+    return resumed[world]
 
 
 def test_restart_is_bit_identical(original, resumed):
-    r = resumed[2]
+    r = _at(resumed, 2)
     assert r["resumed"] == original["losses"][SAVE_AT:]
     for k, v in original["model"].items():
         assert torch.equal(r["model"][k], v), k
 
 
 def test_scheduler_lr_survives(resumed):
-    lrs = resumed[2]["lrs"]
+    lrs = _at(resumed, 2)["lrs"]
     scale = 1.0 / (1 + 0.1 * SAVE_AT)
     assert lrs == pytest.approx([0.01 * scale, 1e-3 * scale, 1e-3 * scale])
 
@@ -206,7 +215,7 @@ def test_saved_model_is_safetensors_compatible(saved, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_cross_topology_resume_matches_uninterrupted_run(resumed, world):
-    r = resumed[world]
+    r = _at(resumed, world)
     base = r["baseline"]
     for i, (got, want) in enumerate(zip(r["resumed"], base["losses"][SAVE_AT:])):
         assert abs(got - want) / abs(want) <= LOSS_RTOL, f"world {world} step {SAVE_AT + i}: {got} vs {want}"
@@ -218,7 +227,7 @@ def test_cross_topology_resume_matches_uninterrupted_run(resumed, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dcp_round_trip_is_exact(saved, resumed, world):
     ckpt = saved
-    r = resumed[world]
+    r = _at(resumed, world)
     assert sorted(r["dcp_model"]) == sorted(ckpt["model"])
     for k, v in ckpt["model"].items():
         assert torch.equal(r["dcp_model"][k], v), k
