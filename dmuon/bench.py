@@ -4,6 +4,7 @@
     python -m dmuon.bench --preset 1b --out results/        # one GPU
     torchrun --nproc_per_node 8 -m dmuon.bench --preset 8b  # 8 GPUs
     python -m dmuon.bench --preset 8b --simulate-world-size 8   # most-loaded owner's optimizer step
+    torchrun --nproc_per_node 4 -m dmuon.bench --preset 1b --replicate 2   # HSDP: 2 replicas x 2 shards
 
 Variants, all on the same Llama-shaped model (random init, synthetic tokens) in the same process run:
 
@@ -13,8 +14,15 @@ Variants, all on the same Llama-shaped model (random init, synthetic tokens) in 
 * ``torch_muon``: no sharding, ``torch.optim.Muon`` + ``torch.optim.AdamW`` (each rank alone);
 * ``dmuon_z3`` / ``dmuon_z2``: dmuon.
 
+``--replicate R`` runs every sharded variant as HSDP on an ``(R, W // R)`` ``("replicate", "shard")`` mesh
+(FSDP2 on the 2-D mesh; dmuon with ``replicate_mesh``, publishing updates asynchronously unless
+``--replicate-async off``); ``torch_muon`` is unchanged.
+
 Forward, backward and optimizer times are medians over the timed steps, measured with device
-synchronisation at the phase boundaries (benchmark only). Ratios are against ``fsdp_adamw`` of the same run.
+synchronisation at the phase boundaries (benchmark only). Those synchronisations also wait for work meant to
+overlap the next step (dmuon's asynchronous HSDP publish), so ``e2e_ms`` is measured separately: the mean of
+``--e2e-steps`` further full steps with one synchronisation before the first and after the last. Ratios
+(``ratio`` of ``step_ms``, ``e2e_ratio`` of ``e2e_ms``) are against ``fsdp_adamw`` of the same run.
 """
 
 from __future__ import annotations
@@ -27,11 +35,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["main", "BENCH_PRESETS"]
 
@@ -54,6 +65,7 @@ class Timing:
     forward_ms: float
     backward_ms: float
     optimizer_ms: float
+    e2e_ms: float  # mean full step without per-phase synchronisation (see the module docstring)
     peak_mem_gib: float | None
 
     @property
@@ -69,6 +81,25 @@ def _say(*parts: Any) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def replicate_error(world: int, replicate: int) -> str | None:
+    """Why ``--replicate`` cannot split ``world`` ranks into an HSDP grid (``None`` if it can); checked
+    before any process group exists so a bad flag fails with a usage message, not a mesh error."""
+    if replicate < 1:
+        return f"--replicate must be at least 1, got {replicate}"
+    if world % replicate:
+        return f"--replicate {replicate} does not divide the world size {world}"
+    return None
+
+
+def make_mesh(device_type: str, world: int, replicate: int = 1) -> DeviceMesh:
+    """The run's data-parallel mesh: 1-D over every rank, or HSDP's ``(replicate, shard)`` grid."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
 def _model(preset: str, device: torch.device, dtype: torch.dtype):
@@ -93,7 +124,8 @@ def _adamw_kw(device: torch.device) -> dict[str, Any]:
 
 
 class _NaiveFSDPMuon:
-    """The approach dmuon replaces: all-gather each projection gradient, NS on every rank, keep the shard."""
+    """The approach dmuon replaces: all-gather each projection gradient, NS on every rank, keep the shard.
+    Gathers and re-shards with each param's own mesh and placements, so HSDP's 2-D DTensors work too."""
 
     def __init__(self, model: nn.Module, lr: float, adamw_lr: float) -> None:
         from torch.distributed.tensor import distribute_tensor
@@ -124,7 +156,9 @@ class _NaiveFSDPMuon:
 
 
 def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, mesh,
-           ns: dict[str, Any] | None = None, dmuon_wrap: str = "layers") -> tuple[nn.Module, Any]:
+           ns: dict[str, Any] | None = None, dmuon_wrap: str = "layers", *, replicate_async: bool = True,
+           prefetch: bool = True) -> tuple[nn.Module, Any]:
+    """One variant's model and optimizer; ``mesh`` is 1-D or the 2-D ``(replicate, shard)`` HSDP grid."""
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
@@ -147,7 +181,10 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
 
         return model, Both()
     if variant.startswith("dmuon"):
-        dmuon.dedicate_params(model, mesh, _is_proj, reshard_after_forward=variant == "dmuon_z3")
+        hsdp = mesh.ndim == 2
+        dmuon.dedicate_params(model, mesh["shard"] if hsdp else mesh, _is_proj,
+                              replicate_mesh=mesh["replicate"] if hsdp else None,
+                              reshard_after_forward=variant == "dmuon_z3", prefetch=prefetch)
     if not variant.startswith("dmuon") or dmuon_wrap == "layers":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -160,11 +197,26 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
     ns = ns or {}
     return model, dmuon.Muon(model, lr=lr, ns_coefficients=ns.get("ns_coefficients", KJ),
                              ns_backend=ns.get("ns_backend", "direct"), adamw_lr=adamw_lr,
-                             adamw_fused=_adamw_kw(device).get("fused"), master_dtype=ns.get("master_dtype"))
+                             adamw_fused=_adamw_kw(device).get("fused"), master_dtype=ns.get("master_dtype"),
+                             replicate_async=replicate_async)
+
+
+def _e2e_ms(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, steps: int, device: torch.device) -> float:
+    """Mean full step with a device synchronisation only before the first and after the last, so work that
+    overlaps the next step (dmuon's asynchronous HSDP publish) counts only where it is not hidden."""
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x, y).loss.backward()
+        opt.step()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t) / steps
 
 
 def _time_variant(variant: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh) -> Timing:
-    model, opt = _build(variant, args.preset, device, dtype, mesh, _ns_options(args), args.dmuon_wrap)
+    model, opt = _build(variant, args.preset, device, dtype, mesh, _ns_options(args), args.dmuon_wrap,
+                        replicate_async=args.replicate_async == "on")
     vocab = BENCH_PRESETS[args.preset][5]
     gen = torch.Generator().manual_seed(1)
     tok = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen).to(device)
@@ -189,10 +241,15 @@ def _time_variant(variant: str, args: argparse.Namespace, device: torch.device, 
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             opt_t.append(t3 - t2)
+    e2e = _e2e_ms(model, opt, x, y, args.e2e_steps, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if variant.startswith("dmuon"):
+        import dmuon
+
+        dmuon.wait_all_replicate_broadcasts(model)  # no publish left in flight when the model goes
     del model, opt
     return Timing(variant, 1e3 * statistics.median(fwd), 1e3 * statistics.median(bwd),
-                  1e3 * statistics.median(opt_t), peak)
+                  1e3 * statistics.median(opt_t), e2e, peak)
 
 
 def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -279,6 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: 32 tiny, else 512)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--e2e-steps", type=int, default=None,
+                        help="full steps timed end to end after the phase-timed ones, synchronised only before "
+                             "the first and after the last (e2e_ms; default: --steps)")
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="HSDP: R replicas x W/R shards ('replicate', 'shard' mesh) for the FSDP2 and dmuon "
+                             "variants (default 1: one 1-D mesh over all W ranks)")
+    parser.add_argument("--replicate-async", choices=["on", "off"], default="on",
+                        help="dmuon variants with --replicate > 1: publish updated weights over the replicate "
+                             "group without waiting in step() (Muon(replicate_async=...))")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--simulate-world-size", type=int, default=0)
     parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
@@ -295,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.batch = args.batch or (2 if args.preset == "tiny" else 4)
     args.seq = args.seq or (32 if args.preset == "tiny" else 512)
+    args.e2e_steps = args.steps if args.e2e_steps is None else args.e2e_steps
+    if args.e2e_steps < 1:
+        parser.error(f"--e2e-steps must be at least 1, got {args.e2e_steps}")
+    bad = replicate_error(int(os.environ.get("WORLD_SIZE", "1")), args.replicate)
+    if bad:
+        parser.error(bad)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -309,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq,
                            "ns_backend": args.ns_backend, "ns_coefficients": args.ns_coefficients,
-                           "dmuon_wrap": args.dmuon_wrap, "master_dtype": args.master_dtype}
+                           "dmuon_wrap": args.dmuon_wrap, "master_dtype": args.master_dtype,
+                           "replicate": args.replicate, "replicate_async": args.replicate_async,
+                           "e2e_steps": args.e2e_steps}
     if args.simulate_world_size:
         if args.preset == "tiny":
             parser.error("--simulate-world-size needs a Llama preset (125m, 1b, 3b, 8b)")
@@ -323,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         dist.init_process_group("nccl" if use_cuda else "gloo")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = make_mesh(device.type, dist.get_world_size(), args.replicate)
         out["world_size"] = dist.get_world_size()
         results = []
         for i, v in enumerate(variants):
@@ -337,14 +409,18 @@ def main(argv: list[str] | None = None) -> int:
             if use_cuda:
                 torch.cuda.empty_cache()
         base = next((r for r in results if r.variant == "fsdp_adamw"), results[0])
-        _say(f"\n{args.preset} on {out['world_size']} x {out['device']} ({dtype}, batch {args.batch} x {args.seq}); "
-             f"ratios vs {base.variant}")
-        _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'peak GiB':>8}")
+        hsdp = (f", HSDP {args.replicate} x {out['world_size'] // args.replicate}, replicate async "
+                f"{args.replicate_async}" if args.replicate > 1 else "")
+        _say(f"\n{args.preset} on {out['world_size']} x {out['device']} ({dtype}, batch {args.batch} x {args.seq}"
+             f"{hsdp}); ratios vs {base.variant}")
+        _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'e2e ms':>8} "
+             f"{'e2e r':>6} {'peak GiB':>8}")
         for r in results:
             peak = f"{r.peak_mem_gib:8.2f}" if r.peak_mem_gib is not None else "       -"
             _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
-                 f"{r.step_ms / base.step_ms:6.2f} {peak}")
-        out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms) for r in results]
+                 f"{r.step_ms / base.step_ms:6.2f} {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
+        out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms,
+                               e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
         if args.out and is_main:
             os.makedirs(args.out, exist_ok=True)
             try:

@@ -1,6 +1,7 @@
 """GPU investigation for issue 6 (run on the device H200): where dmuon's step time goes.
 
     python scripts/gpu_profile.py --out DIR [--parts ns,fwdbwd,opt]
+    torchrun --nproc_per_node 4 scripts/gpu_profile.py --parts overlap [--no-prefetch] [--replicate 2] --out DIR
 
 * ``ns``: Newton-Schulz time per shape group of the Llama presets (all matrices of one shape at once, as
   ``dmuon.Muon.step`` batches them at world size 1): torch's per-matrix function vs dmuon's batched direct
@@ -10,7 +11,9 @@
 * ``opt``: the same for one ``optimizer.step()``.
 * ``overlap`` (under torchrun, 2+ GPUs): one forward+backward of dmuon Z3 (root wrap) profiled on every
   rank; how much of the NCCL kernels' time runs while a compute kernel runs (the overlap that async
-  collectives and prefetch are for).
+  collectives and prefetch are for). ``--no-prefetch`` builds it with ``dedicate_params(prefetch=False)``,
+  ``--replicate R`` on the ``(R, W // R)`` HSDP mesh of ``python -m dmuon.bench --replicate R``; the summary
+  goes to ``DIR/overlap_prefetch_{on,off}_replicate{R}.txt``, so runs of each setting share one DIR.
 
 Not a test; results go to DIR/*.txt and DIR/ns.json.
 """
@@ -145,9 +148,8 @@ def _covered(a: float, b: float, merged: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
 
 
-def part_overlap(out_dir: str) -> None:
+def part_overlap(out_dir: str, prefetch: bool = True, replicate: int = 1) -> None:
     from torch.autograd import DeviceType
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
     from dmuon import bench
@@ -156,12 +158,12 @@ def part_overlap(out_dir: str) -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    mesh = init_device_mesh("cuda", (world,))
+    mesh = bench.make_mesh("cuda", world, replicate)
     vocab = bench.BENCH_PRESETS["1b"][5]
     tok = torch.randint(0, vocab, (4, 2049), device=device, generator=torch.Generator(device).manual_seed(rank))
     x, y = tok[:, :-1], tok[:, 1:]
     model, opt = bench._build("dmuon_z3", "1b", device, torch.bfloat16, mesh,
-                              {"ns_backend": "auto", "ns_coefficients": "polar_express"}, "root")
+                              {"ns_backend": "auto", "ns_coefficients": "polar_express"}, "root", prefetch=prefetch)
 
     def fwdbwd() -> None:
         opt.zero_grad()
@@ -186,7 +188,8 @@ def part_overlap(out_dir: str) -> None:
     if rank == 0:
         text = "\n".join(lines)  # type: ignore[arg-type]
         print(text, flush=True)
-        with open(os.path.join(out_dir, "overlap.txt"), "w") as f:
+        name = f"overlap_prefetch_{'on' if prefetch else 'off'}_replicate{replicate}.txt"
+        with open(os.path.join(out_dir, name), "w") as f:
             f.write(text + "\n")
     del model, opt
     import gc
@@ -200,11 +203,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--parts", default="ns,fwdbwd,opt")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="overlap: dedicate_params(prefetch=False), to see what prefetch hides")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="overlap: HSDP with R replicas x W/R shards (as python -m dmuon.bench --replicate)")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")
     if "overlap" in parts:
-        part_overlap(args.out)
+        from dmuon.bench import replicate_error
+
+        bad = replicate_error(int(os.environ.get("WORLD_SIZE", "1")), args.replicate)
+        if bad:
+            p.error(bad)
+    os.makedirs(args.out, exist_ok=True)
+    if "overlap" in parts:
+        part_overlap(args.out, prefetch=not args.no_prefetch, replicate=args.replicate)
         return
     if "ns" in parts:
         part_ns(args.out)
