@@ -18,9 +18,11 @@ docstring of ``dmuon.integrations.torchtitan``).
 
 Runs on CUDA (NCCL) when available, otherwise CPU (gloo); only the CPU path has been run. Attention is
 causal SDPA instead of torchtitan's default flex attention (which has no CPU backward). CPU workarounds:
-torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible), and by default
-only 2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU). The checkpoint goes to a
-temporary folder unless ``--out`` is given. Exits non-zero if the loss did not decrease.
+torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible); by default only
+2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU) and the model computes in fp32 instead
+of torchtitan's default bf16 (bf16 matmuls are slow on CPU too; ``--mixed-precision-param bfloat16`` turns
+it on). The checkpoint goes to a temporary folder unless ``--out`` is given. Exits non-zero if the loss did
+not decrease.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=None,
                         help="layers of the debug model (default: all 6 on CUDA, 2 on CPU)")
+    parser.add_argument("--mixed-precision-param", choices=("bfloat16", "float32"), default=None,
+                        help="torchtitan's training.mixed_precision_param (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
     args = parser.parse_args()
@@ -95,7 +99,10 @@ def main() -> int:
 
     # torchtitan: meshes and the debug model, built on the meta device
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # dmuon keeps some params whole
-    training = TrainingConfig(mixed_precision_param="float32", disable_cuda_graphs=True, steps=args.steps)
+    # torchtitan's mixed precision (fp32 weights, bf16 compute, fp32 gradient reduce) covers the dedicated
+    # matrices too; on CPU the default is fp32 compute, since bf16 matmuls are slow there
+    mp_param = args.mixed_precision_param or ("bfloat16" if use_cuda else "float32")
+    training = TrainingConfig(mixed_precision_param=mp_param, disable_cuda_graphs=True, steps=args.steps)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
     model_config = llama3_configs["debugmodel"](attn_backend="flex")

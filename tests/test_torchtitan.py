@@ -30,6 +30,7 @@ STEPS, SAVE_AT = 6, 3
 GLOBAL_BATCH, SEQ = 4, 32
 VOCAB, DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HIDDEN = 256, 64, 2, 4, 2, 192
 MAX_NORM = 0.5  # below every step's gradient norm here, so clipping acts in every step
+NO_CLIP = 1e9
 WARMUP = 2
 HP: dict[str, Any] = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, adamw_lr=3e-3,
                           adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1)
@@ -116,10 +117,13 @@ class TrainState:
 # --------------------------------------------------------------------------------------------------- #
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
-def _build(world: int, seed: int, dump_folder: str, replicate: int = 1) -> tuple[Any, Any, Any]:
+def _build(
+    world: int, seed: int, dump_folder: str, replicate: int = 1, mixed_precision: bool = False
+) -> tuple[Any, Any, Any]:
     """Model, optimizers and LR schedulers exactly as ``Trainer.__init__`` builds them from a config whose
     ``model_spec`` went through ``dmuon_model_spec`` (activation checkpointing: the Trainer's default SAC).
-    ``replicate > 1``: HSDP (``data_parallel_replicate_degree``)."""
+    ``replicate > 1``: HSDP (``data_parallel_replicate_degree``). Training runs in fp32 (as the fp32 oracle)
+    unless ``mixed_precision``: torchtitan's default ``TrainingConfig`` (fp32 model, bf16 compute, fp32 reduce)."""
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -139,8 +143,9 @@ def _build(world: int, seed: int, dump_folder: str, replicate: int = 1) -> tuple
     parallel_dims.build_mesh()
     with torch.device("meta"):
         model = spec.model.build()
+    training = TrainingConfig() if mixed_precision else TrainingConfig(mixed_precision_param="float32")
     model = spec.parallelize_fn(
-        model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
+        model, parallel_dims=parallel_dims, training=training,
         parallelism=parallelism, compile_config=CompileConfig(), ac_config=SelectiveAC.Config(),
         dump_folder=dump_folder,
     )
@@ -156,7 +161,7 @@ def _build(world: int, seed: int, dump_folder: str, replicate: int = 1) -> tuple
 
 
 def _train_step(
-    model: Any, optimizers: Any, lr_schedulers: Any, rank: int, world: int, step: int
+    model: Any, optimizers: Any, lr_schedulers: Any, rank: int, world: int, step: int, max_norm: float = MAX_NORM
 ) -> tuple[float, float]:
     """What ``Trainer.train_step`` does, for one local batch slice."""
     from torchtitan.distributed import utils as tt_dist_utils
@@ -168,7 +173,7 @@ def _train_step(
     optimizers.zero_grad()
     loss, _ = _loss_fn()(model(tok), tgt, global_valid_tokens)
     loss.backward()
-    grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True, pp_mesh=None,
+    grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True, pp_mesh=None,
                                               ep_enabled=False)
     optimizers.step()
     lr_schedulers.step()
@@ -179,7 +184,9 @@ def _train_step(
 
 def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None) -> dict:
     """Train to STEPS with torchtitan's CheckpointManager saving every SAVE_AT steps; with ``load_step``,
-    first restore that checkpoint (fresh processes, different init) and train only the remaining steps."""
+    first restore that checkpoint (fresh processes, different init) and train only the remaining steps.
+    The uninterrupted run then also trains a mixed-precision model (``"mixed"``; folded in here to spare
+    CI a job)."""
     from dmuon.integrations import torchtitan as dmuon_tt
 
     model, optimizers, lr_schedulers = _build(world, seed, root)
@@ -209,7 +216,31 @@ def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None
             out["optim_at_save"] = dmuon.get_optimizer_state_dict(model, optimizers.muon)
     checkpointer.close()
     out.update(losses=losses, norms=norms, final=dmuon.get_model_state_dict(model))
+    if load_step is None:
+        del model, optimizers, lr_schedulers, checkpointer
+        out["mixed"] = _mixed_precision_run(rank, world, root)
     return out
+
+
+def _mixed_precision_run(rank: int, world: int, root: str) -> dict:
+    """STEPS steps under torchtitan's default mixed precision, with what the dedicated matrices' forward
+    computes in (input and weight dtype) and the dtypes of the owners' reduced gradients. No clipping (see
+    [Note: mixed-precision oracle]); the Trainer's clip call still computes the norm."""
+    model, optimizers, lr_schedulers = _build(world, 0, root, mixed_precision=True)
+    init = {k: v.clone() for k, v in dmuon.get_model_state_dict(model).items()}
+    seen: set[tuple[str, str]] = set()
+
+    def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.add((str(args[0].dtype), str(module.weight.dtype)))
+
+    for fqn in dmuon.get_dedicated_params(model):
+        model.get_submodule(fqn.rsplit(".", 1)[0]).register_forward_pre_hook(record)
+    results = [_train_step(model, optimizers, lr_schedulers, rank, world, step, max_norm=NO_CLIP)
+               for step in range(1, STEPS + 1)]
+    return {"init": init, "losses": [r[0] for r in results], "norms": [r[1] for r in results],
+            "final": dmuon.get_model_state_dict(model), "compute": sorted(seen),
+            "grad_dtypes": sorted({str(g.dtype) for g in dmuon.get_owned_grads(model).values()}),
+            "owned": sorted(dmuon.get_owned_params(model))}
 
 
 def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
@@ -223,9 +254,15 @@ def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
 # --------------------------------------------------------------------------------------------------- #
 # Oracle: one process, torch.optim.Muon + torch.optim.AdamW                                            #
 # --------------------------------------------------------------------------------------------------- #
-def train_oracle(init: dict[str, torch.Tensor], split: int = 1) -> dict:
-    """The same model and steps in one process. ``split > 1`` accumulates each global batch as ``split``
-    slices (the ranks' slices), which measures how far bf16 Newton–Schulz carries summation-order noise."""
+def train_oracle(
+    init: dict[str, torch.Tensor], split: int = 1, compute_dtype: torch.dtype | None = None,
+    max_norm: float = MAX_NORM,
+) -> dict:
+    """The same model and steps in one process. ``split > 1`` feeds each global batch as ``split`` slices
+    (the ranks' slices), their fp32 gradients summed, which measures how far bf16 Newton–Schulz carries
+    summation-order noise. ``compute_dtype``: the model computes in it while the optimizers step fp32
+    copies rounded back into it before every step, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
+    (parameters cast, buffers not)."""
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from dmuon.integrations.torchtitan import default_predicate
@@ -236,8 +273,14 @@ def train_oracle(init: dict[str, torch.Tensor], split: int = 1) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.load_state_dict(init)
-    muon = [p for n, p in model.named_parameters() if default_predicate(n, p)]
-    rest = [p for n, p in model.named_parameters() if not default_predicate(n, p)]
+    params = dict(model.named_parameters())
+    values = params  # what the optimizers step: the model's own params, or fp32 copies of them
+    if compute_dtype is not None:
+        values = {n: p.detach().clone() for n, p in params.items()}
+        for p in params.values():
+            p.data = p.data.to(compute_dtype)
+    muon = [values[n] for n, p in params.items() if default_predicate(n, p)]
+    rest = [values[n] for n, p in params.items() if not default_predicate(n, p)]
     opt_m = torch.optim.Muon(muon, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                              weight_decay=HP["weight_decay"])
     opt_a = torch.optim.AdamW(rest, lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
@@ -247,21 +290,28 @@ def train_oracle(init: dict[str, torch.Tensor], split: int = 1) -> dict:
     per = GLOBAL_BATCH // split
     for step in range(1, STEPS + 1):
         tok, tgt = batch(step)
-        opt_m.zero_grad()
-        opt_a.zero_grad()
+        if values is not params:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(values[n])
+        grads = {n: torch.zeros_like(v) for n, v in values.items()}
         total = 0.0
         for i in range(split):
+            model.zero_grad()
             loss, _ = _loss_fn()(model(tok[i * per : (i + 1) * per]), tgt[i * per : (i + 1) * per],
                                  torch.tensor(tgt.numel()))
             loss.backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+            for n, p in params.items():
+                grads[n] += p.grad.float()  # torchtitan's FSDP2 sums the ranks' gradients, in fp32
+        for n, v in values.items():
+            v.grad = grads[n]
+        norms.append(torch.nn.utils.clip_grad_norm_(list(values.values()), max_norm).item())
         opt_m.step()
         opt_a.step()
         scheds.step()
         losses.append(total)
-    return {"losses": losses, "norms": norms,
-            "final": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return {"losses": losses, "norms": norms, "final": {k: v.detach().clone() for k, v in values.items()}}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -273,7 +323,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------------- #
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One uninterrupted 2-rank run (saving at SAVE_AT), one resumed 2-rank run, and the oracle."""
+    """One uninterrupted 2-rank run (saving at SAVE_AT; then a mixed-precision run in the same processes), one
+    resumed 2-rank run, and the oracle."""
     root = str(tmp_path_factory.mktemp("torchtitan"))
     full = run_distributed(train_job, WORLD, root, 0, None)
     resumed = run_distributed(train_job, WORLD, root, 123, SAVE_AT)
@@ -332,14 +383,70 @@ def test_unsupported_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="spmd_types"):
         dmuon_tt.dedicate(model, parallel_dims(spmd_backend="spmd_types"))
     never_called = dmuon_tt.with_dmuon(lambda model, **kw: pytest.fail("parallelize_fn ran"))
-    with pytest.raises(ValueError, match="mixed_precision_param='bfloat16'"):
-        never_called(model, parallel_dims=parallel_dims(), training=TrainingConfig(), parallelism=ParallelismConfig())
+    for training, match in [
+        # bf16 weights computed in fp32: FSDP2 would upcast, dmuon computes a matrix in at most its own dtype
+        (TrainingConfig(dtype="bfloat16", mixed_precision_param="float32"), "mixed_precision_param='float32' is wider"),
+        (TrainingConfig(mixed_precision_reduce="float64"), "mixed_precision_reduce='float64'"),
+    ]:
+        # a ValueError, not dedicate_params' RuntimeError (no process group here): refused before dmuon runs
+        with pytest.raises(ValueError, match=match):
+            never_called(model, parallel_dims=parallel_dims(), training=training, parallelism=ParallelismConfig())
     with pytest.raises(ValueError, match="param_groups"):
         dmuon_tt.DMuonOptimizersContainer.Config(param_groups=[object()])
     with pytest.raises(ValueError, match="fused_opt_states_bf16"):
         dmuon_tt.DMuonOptimizersContainer.Config(implementation="fused_opt_states_bf16")
     with pytest.raises(ValueError, match="last_save_in_hf"):
         dmuon_tt.DMuonCheckpointManager.Config(last_save_in_hf=True)
+
+
+def test_mixed_precision_settings_map_like_fsdp2() -> None:
+    """torchtitan hands ``mixed_precision_param`` / ``_reduce`` to FSDP2 unconditionally, and FSDP2 drops a
+    param dtype equal to the weights' and a reduce dtype equal to the compute dtype; dmuon gets the same."""
+    from torchtitan.config import TrainingConfig
+
+    from dmuon.integrations.torchtitan import mixed_precision_dtypes
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert mixed_precision_dtypes(TrainingConfig()) == (bf16, fp32)  # torchtitan's default
+    assert mixed_precision_dtypes(TrainingConfig(mixed_precision_param="float32")) == (None, None)
+    assert mixed_precision_dtypes(TrainingConfig(dtype="bfloat16")) == (None, fp32)  # bf16 weights, fp32 reduce
+
+
+def test_default_mixed_precision_matches_per_rank_oracle(runs: dict[str, Any]) -> None:
+    """torchtitan's default ``TrainingConfig`` (fp32 model, ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``): on every rank the dedicated matrices compute in bf16, their owners get fp32
+    gradients and keep fp32 values, and training reproduces a bf16 oracle exactly.
+
+    [Note: mixed-precision oracle] As in tests/test_mixed_precision.py, a bf16 forward depends on how the
+    batch is split: the full-batch bf16 oracle lands ~5e-2 from this run in the weights after 6 steps (so
+    does the fp32 one), so no loose bound against it would catch a real error. The oracle here is the
+    ranks' computation written out in one process: each rank's slice through the bf16 model, the bf16
+    gradients summed in fp32 (torchtitan's FSDP2 sums), torch.optim.Muon / AdamW on fp32 copies rounded
+    into the model every step. Clipping is off: the norm's summation order differs from the oracle's in
+    the last bits (measured 3e-7), and with every step clipped bf16 Newton–Schulz amplifies that to
+    1.6e-2 in the weights; without it the weights agree bit for bit."""
+    mixed = [r["mixed"] for r in runs["full"]]
+    got = mixed[0]
+    oracle = train_oracle(got["init"], split=WORLD, compute_dtype=torch.bfloat16, max_norm=NO_CLIP)
+    for rank, r in enumerate(mixed):
+        assert r["compute"] == [("torch.bfloat16", "torch.bfloat16")], (rank, r["compute"])  # (input, weight)
+        assert r["owned"] and r["grad_dtypes"] == ["torch.float32"], (rank, r["owned"], r["grad_dtypes"])
+        assert r["losses"] == got["losses"], rank
+    dedicated = [fqn for r in mixed for fqn in r["owned"]]
+    for state in (got["init"], got["final"]):  # fp32 values with bits below bf16: the owners' masters
+        assert all(state[k].dtype == torch.float32 for k in dedicated)
+        assert any(not torch.equal(state[k], state[k].to(torch.bfloat16).float()) for k in dedicated)
+    for a, b in zip(got["losses"], oracle["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * b, (got["losses"], oracle["losses"])  # the oracle logs in float64
+    for a, b in zip(got["norms"], oracle["norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * b, (got["norms"], oracle["norms"])
+    for k, want in oracle["final"].items():
+        assert torch.equal(got["final"][k], want), (k, _rel(got["final"][k], want))
+    # as much progress as fp32 training (the same oracle without the bf16 cast; measured 2.6e-4 apart)
+    fp32 = train_oracle(got["init"], split=WORLD, max_norm=NO_CLIP)
+    assert got["losses"][-1] < got["losses"][0] - 0.1, got["losses"]
+    for a, b in zip(got["losses"], fp32["losses"], strict=True):
+        assert abs(a - b) <= 2e-3 * b, (got["losses"], fp32["losses"])
 
 
 def test_restore_from_torchtitan_checkpoint_is_bitwise(runs: dict[str, Any]) -> None:

@@ -30,9 +30,19 @@ Trainer example::
         optimizer=dmuon_tt.DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=8e-4),
         checkpoint=dmuon_tt.DMuonCheckpointManager.Config(enable=True, interval=500),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-        training=TrainingConfig(mixed_precision_param="float32", disable_cuda_graphs=True, ...),
+        training=TrainingConfig(disable_cuda_graphs=True, ...),
         ...
     )
+
+[Note: mixed precision]
+torchtitan's parallelize functions always give FSDP2 ``MixedPrecisionPolicy(param_dtype=
+training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce)``, at every data-parallel
+degree (the autocast path ``TrainingConfig``'s docstring mentions does not exist in torchtitan 0.3.0).
+FSDP2 casts only the parameters it manages, so :func:`with_dmuon` hands the same settings to
+:func:`dedicate` as dmuon's ``param_dtype`` / ``reduce_dtype`` (:func:`mixed_precision_dtypes`). With
+torchtitan's defaults (an fp32 model, ``"bfloat16"`` / ``"float32"``) the dedicated matrices compute and
+travel in bf16, their owners keep the fp32 values that Muon updates and checkpoints hold, and their
+gradients are reduced and kept in fp32, as FSDP2 does for its own parameters.
 
 [Note: gradient scale]
 torchtitan divides each rank's summed loss by the *global* token count and switches FSDP2's gradient
@@ -41,7 +51,8 @@ dedicated gradients over the world, which alone would leave them ``world`` times
 Newton–Schulz hides most of that, the gradient norm and clipping would not). The container therefore
 registers a hook that multiplies every local dedicated gradient by ``world / divide_factor`` (2 on two
 ranks, 1 when FSDP2 averages) before dmuon's reduce, so each owner ends up with exactly the gradient a
-single process would compute.
+single process would compute. Under mixed precision the local gradient is in the compute dtype (bf16): the
+product is exact for power-of-two factors and rounded once to bf16 otherwise (e.g. 3 or 24 ranks).
 
 Scope (each checked with a ``ValueError`` naming the setting):
 
@@ -49,19 +60,20 @@ Scope (each checked with a ``ValueError`` naming the setting):
   since dmuon's mesh must cover every rank;
 * ``parallelism.spmd_backend="partial_dtensor"`` (the ``full_dtensor`` / ``spmd_types`` backends demand
   that every parameter be a DTensor, including the ones dmuon keeps whole);
-* ``training.mixed_precision_param == training.dtype``: FSDP2's ``MixedPrecisionPolicy`` casts the
-  parameters it manages but not dedicated ones, so a bf16 compute dtype over fp32 weights fails on a
-  dtype mismatch (train in ``dtype="bfloat16"``, or keep ``mixed_precision_param="float32"``);
+* ``training.mixed_precision_param`` no wider than ``training.dtype`` (dmuon computes a dedicated matrix
+  in its own dtype or a narrower one, never in a wider one: ``dtype="bfloat16"`` needs
+  ``mixed_precision_param="bfloat16"``);
 * ``training.enable_cpu_offload=False`` (FSDP2's offload policy does not cover dedicated params);
 * on CUDA, ``training.disable_cuda_graphs=True`` (dmuon's broadcasts and storage resizes cannot be
   captured in a CUDA graph);
 * the Hugging Face export/import paths of the checkpointer (``last_save_in_hf``, ``initial_load_in_hf``);
   use :func:`dmuon.get_model_state_dict` / :func:`dmuon.set_model_state_dict` for full tensors instead.
 
-Tested on CPU/gloo (2-rank FSDP, 2x2 HSDP, selective activation checkpointing) by driving these pieces
-with the calls and arguments ``Trainer.__init__`` / ``train_step`` use; ``Trainer`` itself was not run (on
-CPU its device-memory monitor needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async
-checkpoint modes, MoE models.
+Tested on CPU/gloo (2-rank FSDP, 2x2 HSDP, selective activation checkpointing, 2-rank FSDP under
+torchtitan's default mixed precision) by driving these pieces with the calls and arguments
+``Trainer.__init__`` / ``train_step`` use; ``Trainer`` itself was not run (on CPU its device-memory monitor
+needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async checkpoint modes, MoE models;
+``dtype="bfloat16"`` training was only run by hand.
 """
 
 from __future__ import annotations
@@ -82,6 +94,7 @@ from torch.utils.hooks import RemovableHandle
 import dmuon
 
 from .._patch import is_dedicated
+from .._precision import is_wider
 from .._state import STATE_ATTR
 from ..newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS
 from ..partition import OwnerPlan
@@ -92,6 +105,7 @@ try:
     from torchtitan.components.checkpointer.base import MODEL
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.config import TORCH_DTYPE_MAP, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as tt_dist_utils
     from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
@@ -111,6 +125,7 @@ __all__ = [
     "dedicated_grad_scale",
     "default_predicate",
     "dmuon_model_spec",
+    "mixed_precision_dtypes",
     "with_dmuon",
 ]
 
@@ -167,20 +182,26 @@ def dedicate(
     *,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> OwnerPlan:
     """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``.
 
     The shard mesh is ``parallel_dims``' ``"fsdp"`` mesh; with ``data_parallel_replicate_degree > 1`` the
     ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). ``predicate(fqn, param)`` defaults to
     :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
-    ``reshard_after_forward`` and ``prefetch`` are :func:`dmuon.dedicate_params`'s.
+    ``reshard_after_forward``, ``prefetch``, ``param_dtype`` and ``reduce_dtype`` are
+    :func:`dmuon.dedicate_params`'s. The dtypes must match the ``MixedPrecisionPolicy`` torchtitan gives
+    FSDP2, or the first forward meets bf16 activations with fp32 weights: take them from
+    :func:`mixed_precision_dtypes` (:func:`with_dmuon` does).
 
     Example::
 
         parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
                                      world_size=world, spmd_backend="partial_dtensor")
-        dmuon_tt.dedicate(model, parallel_dims)
-        model = parallelize_llama(model, parallel_dims=parallel_dims, ...)
+        param_dtype, reduce_dtype = dmuon_tt.mixed_precision_dtypes(training)
+        dmuon_tt.dedicate(model, parallel_dims, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, ...)
     """
     _check_parallel_dims(parallel_dims)
     shard = parallel_dims.get_mesh("fsdp")
@@ -188,6 +209,7 @@ def dedicate(
     plan = dmuon.dedicate_params(
         model, shard, predicate if predicate is not None else default_predicate,
         replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
     )
     _adopt(model)
     return plan
@@ -240,16 +262,50 @@ def _merge_fused_qkv(model: nn.Module, state_dict: dict[str, Any]) -> None:
         type(module)._merge_qkv_on_load(module, state_dict, prefix)
 
 
-def _check_trainer_options(kwargs: dict[str, Any]) -> None:
-    """Reject trainer settings dmuon cannot honour, before anything is sharded."""
+def _config_dtype(training: TrainingConfig, setting: str) -> torch.dtype:
+    """``TORCH_DTYPE_MAP[training.<setting>]``, or a ValueError naming the setting."""
+    name = getattr(training, setting)
+    if name not in TORCH_DTYPE_MAP:
+        raise ValueError(f"dmuon torchtitan: training.{setting}={name!r} is not one of {sorted(TORCH_DTYPE_MAP)}")
+    return TORCH_DTYPE_MAP[name]
+
+
+def mixed_precision_dtypes(training: TrainingConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """dmuon's ``(param_dtype, reduce_dtype)`` for torchtitan's ``training`` settings: the dedicated params'
+    half of the ``MixedPrecisionPolicy`` torchtitan gives FSDP2. See [Note: mixed precision].
+
+    Mirrors FSDP2's own clamping: ``param_dtype`` is ``None`` when ``mixed_precision_param`` is the model's
+    dtype (``training.dtype``), ``reduce_dtype`` is ``None`` when ``mixed_precision_reduce`` is the compute
+    dtype. torchtitan's defaults (``dtype="float32"``, ``"bfloat16"`` / ``"float32"``) give
+    ``(torch.bfloat16, torch.float32)``; ``dtype="bfloat16"`` gives ``(None, torch.float32)`` (bf16 weights,
+    gradients averaged in fp32). Raises ``ValueError`` for a ``mixed_precision_param`` wider than
+    ``training.dtype`` (FSDP2 would compute bf16 weights in fp32; dmuon computes a dedicated matrix in at
+    most its own precision).
+
+    Example::
+
+        mixed_precision_dtypes(TrainingConfig())  # (torch.bfloat16, torch.float32)
+    """
+    model = _config_dtype(training, "dtype")
+    param = _config_dtype(training, "mixed_precision_param")
+    reduce = _config_dtype(training, "mixed_precision_reduce")
+    if is_wider(param, model):
+        raise ValueError(
+            f"dmuon torchtitan: training.mixed_precision_param={training.mixed_precision_param!r} is wider than "
+            f"training.dtype={training.dtype!r}; dmuon cannot compute dedicated {training.dtype} matrices in "
+            f"{training.mixed_precision_param}. Set mixed_precision_param={training.dtype!r}, or train in "
+            f"dtype={training.mixed_precision_param!r}."
+        )
+    return (None if param == model else param), (None if reduce == param else reduce)
+
+
+def _check_trainer_options(kwargs: dict[str, Any]) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Reject trainer settings dmuon cannot honour, before anything is sharded; return the dedicated params'
+    ``(param_dtype, reduce_dtype)`` (:func:`mixed_precision_dtypes`)."""
     training = kwargs.get("training")
+    dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)
     if training is not None:
-        if training.mixed_precision_param != training.dtype:
-            raise ValueError(
-                f"dmuon torchtitan: training.mixed_precision_param={training.mixed_precision_param!r} differs from "
-                f"training.dtype={training.dtype!r}; FSDP2 would cast only the parameters it manages, not the "
-                "dedicated ones. Set mixed_precision_param to the training dtype."
-            )
+        dtypes = mixed_precision_dtypes(training)
         if training.enable_cpu_offload:
             raise ValueError(
                 "dmuon torchtitan: training.enable_cpu_offload=True is not supported; FSDP2 would offload only the "
@@ -265,6 +321,7 @@ def _check_trainer_options(kwargs: dict[str, Any]) -> None:
         raise ValueError(
             f"dmuon torchtitan: parallelism.spmd_backend must be 'partial_dtensor', got {parallelism.spmd_backend!r}"
         )
+    return dtypes
 
 
 def _sum_reductions_on_gloo(model: nn.Module) -> None:
@@ -285,7 +342,8 @@ def with_dmuon(
     """Wrap a torchtitan ``parallelize_fn`` so it dedicates matrices first, then shards the rest.
 
     ``reshard_after_forward=None`` follows ``parallelism.fsdp_reshard_after_forward`` (``"never"`` keeps the
-    broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). On gloo the
+    broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). The dedicated
+    params get ``training``'s mixed precision (:func:`mixed_precision_dtypes`), as FSDP2's do. On gloo the
     wrapper also makes FSDP2 reduce with SUM (gloo lacks the PREMUL_SUM op FSDP2 would use).
 
     Example::
@@ -299,13 +357,14 @@ def with_dmuon(
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
-        _check_trainer_options(kwargs)
+        param_dtype, reduce_dtype = _check_trainer_options(kwargs)
         raf = reshard_after_forward
         if raf is None:
             parallelism = kwargs.get("parallelism")
             policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
             raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
-        dedicate(model, parallel_dims, predicate, reshard_after_forward=raf)
+        dedicate(model, parallel_dims, predicate, reshard_after_forward=raf, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype)
         model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         _sum_reductions_on_gloo(model)
         return model
