@@ -16,7 +16,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
 
 if [ "$WHAT" = checks ]; then
   DMUON_TEST_DEVICE=cuda timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_parity.py \
-    tests/test_hsdp.py tests/test_checkpoint.py tests/test_prefetch.py 2>&1 | tee "$OUT/nccl_tests.log" | tail -4
+    tests/test_hsdp.py tests/test_checkpoint.py tests/test_prefetch.py tests/test_lifecycle.py \
+    tests/test_accumulation.py tests/test_clip.py 2>&1 | tee "$OUT/nccl_tests.log" | tail -4
   for pf in "" --no-prefetch; do
     timeout 90 $TR scripts/gpu_profile.py --parts overlap $pf --out "$OUT" 2>&1 | grep "^rank"
   done

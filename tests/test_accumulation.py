@@ -8,6 +8,7 @@ import pytest
 from tests._dist import run_distributed
 from tests._training import RunOptions, train_dmuon
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 10
 ACCUM = 4
 LOSS_RTOL = 1e-4
@@ -66,10 +67,11 @@ def stash_hook_job(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
+    from tests._dist import DEVICE_TYPE, device
     from tests._training import KJ, batches, build_model, projection_predicate
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model()
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
@@ -79,7 +81,7 @@ def stash_hook_job(rank: int, world: int) -> dict:
         return sum(dp.stash_hook is not None for dp in dps)
 
     seen = []
-    (t1, y1), (t2, y2) = batches(2)
+    (t1, y1), (t2, y2) = ((t.to(device()), y.to(device())) for t, y in batches(2))
     opt.zero_grad()
     seen.append(armed())                         # fresh: no per-parameter pre-hook
     model(t1, y1).loss.backward()
@@ -110,15 +112,16 @@ def one_rank_accumulation_job(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+    from tests._dist import DEVICE_TYPE, device
     from tests._training import KJ, batches, build_model, projection_predicate
 
-    data = batches(3)
-    plain = build_model()
+    data = [(t.to(device()), y.to(device())) for t, y in batches(3)]
+    plain = build_model().to(device())
     for tok, tgt in data:  # torch's own accumulation into .grad
         plain(tok, tgt).loss.backward()
     want = {n: p.grad.clone() for n, p in plain.named_parameters() if projection_predicate(n, p)}
-    model = build_model()
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (1,)), projection_predicate)
+    model = build_model().to(device())
+    dmuon.dedicate_params(model, init_device_mesh(DEVICE_TYPE, (1,)), projection_predicate)
     dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
     for tok, tgt in data:  # no no_sync: each backward "reduces", later ones accumulate on top
         model(tok, tgt).loss.backward()

@@ -10,15 +10,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from tests._dist import run_distributed
+from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 4
 MAX_NORM = 0.5  # below the gradient norms of this model, so clipping really happens
 
 
 def _oracle() -> dict:
-    model = build_model()
+    model = build_model().to(device())
     muon = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
     other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
     om = torch.optim.Muon(muon, lr=0.01, weight_decay=0.01, ns_coefficients=KJ)
@@ -27,7 +28,7 @@ def _oracle() -> dict:
     for tok, tgt in batches(STEPS):
         om.zero_grad()
         oa.zero_grad()
-        loss = model(tok, tgt).loss
+        loss = model(tok.to(device()), tgt.to(device())).loss
         loss.backward()
         inf_norms.append(max(p.grad.abs().max().item() for p in model.parameters()))
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -35,15 +36,15 @@ def _oracle() -> dict:
         oa.step()
         losses.append(loss.item())
     return {"norms": norms, "losses": losses, "inf_norms": inf_norms,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def clip_job(rank: int, world: int, layout: str) -> dict:
     if layout == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
-    model = build_model()
+        mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     if layout != "plain":
         for layer in model.layers:
@@ -54,7 +55,8 @@ def clip_job(rank: int, world: int, layout: str) -> dict:
     norms, inf_norms, losses = [], [], []
     for tok, tgt in batches(STEPS):
         opt.zero_grad()
-        loss = model(tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]).loss
+        lo, hi = rank * per, (rank + 1) * per
+        loss = model(tok[lo:hi].to(device()), tgt[lo:hi].to(device())).loss
         loss.backward()
         # the infinity norm first, with a bound it never reaches, so it clips nothing
         inf_norms.append(dmuon.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())

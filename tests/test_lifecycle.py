@@ -10,6 +10,7 @@ import torch
 from tests._dist import run_distributed
 from tests._training import RunOptions, train_dmuon, train_oracle
 
+RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 6
 LOSS_RTOL = 1e-4
 WEIGHT_RTOL = 5e-3
@@ -153,17 +154,18 @@ def dropped_model_job(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
+    from tests._dist import DEVICE_TYPE, device
     from tests._training import KJ, batches, build_model, projection_predicate
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model()
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     # root only: FSDP2 units per layer keep a dropped model alive by themselves (seen with torch 2.13 on
     # CPU, without dmuon), which would hide what this test is about
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
     for tok, tgt in batches(2):  # no zero_grad between them: the stash hooks get armed too
-        model(tok, tgt).loss.backward()
+        model(tok.to(device()), tgt.to(device())).loss.backward()
         opt.step()
     owned = next(iter(dmuon.get_owned_params(model).values()))
     refs = [weakref.ref(model), weakref.ref(owned), weakref.ref(model._dmuon_state)]
