@@ -396,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:  # device_id binds the NCCL communicator to this rank's GPU (no guessing at barrier())
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
         mesh = make_mesh(device.type, dist.get_world_size(), args.replicate)
         out["world_size"] = dist.get_world_size()
         results = []
