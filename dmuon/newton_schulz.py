@@ -36,7 +36,9 @@ Two more options sit beside that torch-identical form:
   from the current ``X`` (re-forming ``R``), which bounds the drift; measured on CPU it then lands
   closer to the exact iteration than torch's bfloat16 direct form. ``"auto"`` takes ``"gram"`` for
   shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at least :data:`GRAM_MIN_WORK`, and
-  ``"direct"`` otherwise.
+  ``"direct"`` otherwise. On CUDA with Triton installed, ``"auto"`` also forms the products whose
+  result is symmetric (``X X^T``, ``b A + c A A``) with :mod:`dmuon._symmetric`'s kernels, which compute
+  only the tiles on and above the diagonal, for ``m >= 1024``.
 
 Only ``"direct"`` with one ``(a, b, c)`` is bit-identical to torch; the others round differently.
 
@@ -280,9 +282,10 @@ def newton_schulz_native(
     if transpose:
         X = X.mT  # same as .T for 2-D, so the 2-D path matches torch op for op
 
+    sym = _use_symmetric(X, backend)
     if resolved == "gram" and steps > 0:
-        X = _gram_iterate(X, per_step, eps)
-    elif X.ndim == 2:
+        X = _gram_iterate(X, per_step, eps, sym)
+    elif X.ndim == 2 and not sym:
         # Out-of-place division: same values as torch's div_, but never aliases/mutates G.
         X = X / X.norm().clamp(min=eps)
         for a, b, c in per_step:
@@ -290,18 +293,50 @@ def newton_schulz_native(
             B = torch.addmm(A, A, A, beta=b, alpha=c)
             X = torch.addmm(X, B, X, beta=a)
     else:
+        squeeze = X.ndim == 2
+        X = X.unsqueeze(0) if squeeze else X
         X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
         for a, b, c in per_step:
-            A = torch.bmm(X, X.mT)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            A = _gram_of(X, sym)
+            B = _poly(A, b, c, sym)
             X = torch.baddbmm(X, B, X, beta=a)
+        X = X.squeeze(0) if squeeze else X
 
     if transpose:
         X = X.mT
     return X
 
 
-def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps: float) -> Tensor:
+def _use_symmetric(X: Tensor, backend: str) -> bool:
+    """``"auto"`` on CUDA: compute ``X X^T`` and ``b A + c A A`` with the half-tile kernels of
+    :mod:`dmuon._symmetric` where they beat cuBLAS (imported only then: Triton is optional)."""
+    if backend != "auto":
+        return False
+    from . import _symmetric
+
+    return _symmetric.usable(X)
+
+
+def _gram_of(X: Tensor, sym: bool) -> Tensor:
+    """``X X^T`` for a batch."""
+    if sym:
+        from ._symmetric import symmetric_product
+
+        return symmetric_product(X)
+    return torch.bmm(X, X.mT)
+
+
+def _poly(A: Tensor, b: float, c: float, sym: bool) -> Tensor:
+    """``b A + c A A`` for a batch of symmetric ``A``."""
+    if sym:
+        from ._symmetric import symmetric_product
+
+        return symmetric_product(A, A, alpha=c, beta=b)
+    return torch.baddbmm(A, A, A, beta=b, alpha=c)
+
+
+def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps: float,
+                  sym: bool = False) -> Tensor:
     """The Gram-space iteration on a wide bf16 ``X`` (``m <= n``): returns float16 ``X_k``.
 
     Per segment of :data:`GRAM_RESTART_EVERY` steps: ``R = X X^T``; each step forms
@@ -316,10 +351,10 @@ def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps
                   out=torch.empty(X.shape, dtype=torch.float16, device=X.device))
     for start in range(0, len(per_step), GRAM_RESTART_EVERY):
         segment = per_step[start : start + GRAM_RESTART_EVERY]
-        A = torch.bmm(X, X.mT)
+        A = _gram_of(X, sym)
         Q: Tensor | None = None
         for j, (a, b, c) in enumerate(segment):
-            P = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            P = _poly(A, b, c, sym)
             P.diagonal(dim1=-2, dim2=-1).add_(a)
             Q = P if Q is None else torch.bmm(P, Q)
             if j + 1 < len(segment):
