@@ -1,8 +1,9 @@
 """Products whose result is symmetric, at about half the cost of a general matmul (Triton, CUDA).
 
-Newton–Schulz forms ``X X^T`` and ``b A + c A A`` with ``A`` symmetric (so ``A A = A A^T``) in every step.
-:func:`symmetric_product` computes ``alpha Y Y^T + beta D`` (``D`` symmetric, optional) on the tiles on and
-above the diagonal only and writes each off-diagonal tile twice, as itself and as its transpose. Measured
+Newton–Schulz forms ``X X^T`` and ``b A + c A A`` with ``A`` symmetric (so ``A A = A A^T``) in every step,
+and the Gram form also ``P Q`` and ``A P P`` of commuting symmetric matrices. :func:`symmetric_product`
+computes ``alpha Y Z^T + beta D`` on the tiles on and above the diagonal only and writes each off-diagonal
+tile twice, as itself and as its transpose. Measured
 on an H200 against ``torch.bmm`` (cuBLAS) on the Llama presets' NS shapes: 0.59-0.81x the time for ``m >=
 1024``, slower for ``m = 512`` (too few tiles; :data:`SYMMETRIC_MIN_DIM`). Accumulation is fp32 like
 cuBLAS's, in a different order, so results differ from it in the last bit: only ``ns_backend="auto"``
@@ -29,9 +30,10 @@ _BLOCK, _BLOCK_K = 128, 64
 if triton is not None:
 
     @triton.jit
-    def _upper_tiles_kernel(Y, D, C, pairs, M, K, alpha, beta, s_yb, s_ym, s_yk, s_db, s_dm, s_dn, s_cb, s_cm,
-                            s_cn, HAS_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Tile ``(i, j)``, ``i <= j``, of ``C[b] = alpha Y[b] Y[b]^T + beta D[b]``, stored at (i, j) and (j, i)."""
+    def _upper_tiles_kernel(Y, Z, D, C, pairs, M, K, alpha, beta, s_yb, s_ym, s_yk, s_zb, s_zm, s_zk, s_db, s_dm,
+                            s_dn, s_cb, s_cm, s_cn, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """Tile ``(i, j)``, ``i <= j``, of ``C[b] = alpha Y[b] Z[b]^T + beta D[b]``, stored at (i, j) and (j, i)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         i = tl.load(pairs + 2 * pid)
@@ -40,7 +42,7 @@ if triton is not None:
         rn = j * BLOCK + tl.arange(0, BLOCK)
         rk = tl.arange(0, BLOCK_K)
         a_ptr = Y + b * s_yb + rm[:, None] * s_ym + rk[None, :] * s_yk
-        b_ptr = Y + b * s_yb + rn[:, None] * s_ym + rk[None, :] * s_yk
+        b_ptr = Z + b * s_zb + rn[:, None] * s_zm + rk[None, :] * s_zk
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_ok = rk[None, :] < K - k * BLOCK_K
@@ -48,7 +50,7 @@ if triton is not None:
             bt = tl.load(b_ptr, mask=(rn[:, None] < M) & k_ok, other=0.0)
             acc = tl.dot(a, tl.trans(bt), acc)
             a_ptr += BLOCK_K * s_yk
-            b_ptr += BLOCK_K * s_yk
+            b_ptr += BLOCK_K * s_zk
         mask = (rm[:, None] < M) & (rn[None, :] < M)
         acc = acc * alpha
         if HAS_D:
@@ -79,20 +81,29 @@ def usable(Y: Tensor) -> bool:
             and Y.shape[-2] >= SYMMETRIC_MIN_DIM)
 
 
-def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
-    """``alpha Y Y^T + beta D`` for a ``(batch, m, k)`` ``Y`` and a symmetric ``(batch, m, m)`` ``D``
-    (``D`` is read on and above the diagonal only), in ``Y``'s dtype with fp32 accumulation.
+def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, *,
+                      Z: Tensor | None = None) -> Tensor:
+    """``alpha Y Z^T + beta D`` (``Z`` defaults to ``Y``) for ``(batch, m, k)`` ``Y``, ``Z`` and a symmetric
+    ``(batch, m, m)`` ``D``, in ``Y``'s dtype with fp32 accumulation. Only the tiles on and above the
+    diagonal are computed (``D`` is read there only) and mirrored, so the caller promises a symmetric
+    result: ``Z = Y``, or ``Y`` and ``Z`` symmetric and commuting (polynomials in one symmetric matrix,
+    where ``Y Z^T = Y Z``).
 
     Example::
 
         A = symmetric_product(X)                       # X X^T
         B = symmetric_product(A, A, alpha=c, beta=b)   # b A + c A A, for symmetric A
+        Q = symmetric_product(P, Z=Q)                  # P Q, for commuting symmetric P, Q
     """
     if triton is None:
         raise RuntimeError("dmuon: symmetric_product needs Triton")
     if Y.ndim != 3 or (D is not None and D.shape != (Y.shape[0], Y.shape[1], Y.shape[1])):
         raise ValueError(f"expected Y (batch, m, k) and D (batch, m, m), got {tuple(Y.shape)} and "
                          f"{None if D is None else tuple(D.shape)}")
+    Z = Y if Z is None else Z
+    if Z.shape != Y.shape or Z.dtype != Y.dtype:
+        raise ValueError(f"Z must match Y (batch, m, k) and dtype, got {tuple(Z.shape)} {Z.dtype} and "
+                         f"{tuple(Y.shape)} {Y.dtype}")
     batch, m, k = Y.shape
     C = torch.empty((batch, m, m), dtype=Y.dtype, device=Y.device)
     if batch == 0 or m == 0:
@@ -100,7 +111,7 @@ def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, be
     pairs = _upper_pairs(triton.cdiv(m, _BLOCK), Y.device)
     Dt = D if D is not None else C  # unread without HAS_D
     _upper_tiles_kernel[(pairs.numel() // 2, batch)](
-        Y, Dt, C, pairs, m, k, float(alpha), float(beta), *Y.stride(), *Dt.stride(), *C.stride(),
+        Y, Z, Dt, C, pairs, m, k, float(alpha), float(beta), *Y.stride(), *Z.stride(), *Dt.stride(), *C.stride(),
         HAS_D=D is not None, BLOCK=_BLOCK, BLOCK_K=_BLOCK_K, num_warps=8, num_stages=4 if m >= 4096 else 3,
     )
     return C

@@ -37,8 +37,9 @@ Two more options sit beside that torch-identical form:
   closer to the exact iteration than torch's bfloat16 direct form. ``"auto"`` takes ``"gram"`` for
   shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at least :data:`GRAM_MIN_WORK`, and
   ``"direct"`` otherwise. On CUDA with Triton installed, ``"auto"`` also forms the products whose
-  result is symmetric (``X X^T``, ``b A + c A A``) with :mod:`dmuon._symmetric`'s kernels, which compute
-  only the tiles on and above the diagonal, for ``m >= 1024``.
+  result is symmetric (``X X^T``, ``b A + c A A``, and in the Gram form ``P Q`` and ``A P P``, products
+  of commuting symmetric matrices) with :mod:`dmuon._symmetric`'s kernel, which computes only the tiles
+  on and above the diagonal, for ``m >= 1024``.
 
 Only ``"direct"`` with one ``(a, b, c)`` is bit-identical to torch; the others round differently.
 
@@ -326,6 +327,15 @@ def _gram_of(X: Tensor, sym: bool) -> Tensor:
     return torch.bmm(X, X.mT)
 
 
+def _commuting_product(P: Tensor, Q: Tensor, sym: bool) -> Tensor:
+    """``P Q`` for batches of commuting symmetric matrices (polynomials in one Gram matrix): symmetric."""
+    if sym:
+        from ._symmetric import symmetric_product
+
+        return symmetric_product(P, Z=Q)
+    return torch.bmm(P, Q)
+
+
 def _poly(A: Tensor, b: float, c: float, sym: bool) -> Tensor:
     """``b A + c A A`` for a batch of symmetric ``A``."""
     if sym:
@@ -356,9 +366,9 @@ def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps
         for j, (a, b, c) in enumerate(segment):
             P = _poly(A, b, c, sym)
             P.diagonal(dim1=-2, dim2=-1).add_(a)
-            Q = P if Q is None else torch.bmm(P, Q)
+            Q = P if Q is None else _commuting_product(P, Q, sym)
             if j + 1 < len(segment):
-                A = torch.bmm(torch.bmm(A, P), P)
+                A = _commuting_product(_commuting_product(A, P, sym), P, sym)
         assert Q is not None
         X = torch.bmm(Q, X)
     return X.squeeze(0) if squeeze else X

@@ -1,8 +1,8 @@
 """dmuon._symmetric: the half-tile kernel for symmetric products, run on CPU through Triton's interpreter.
 
 The kernel computes only the tiles on and above the diagonal and mirrors them, so what can go wrong is the
-tile bookkeeping: ragged last tiles in ``m`` and ``k``, the mirrored store, the ``beta D`` epilogue, and the
-batch offset. Each is checked against float64 ``torch`` on fp32 inputs (the interpreter multiplies in the
+tile bookkeeping: ragged last tiles in ``m`` and ``k``, the mirrored store, the ``beta D`` epilogue, the
+second operand ``Z`` and the batch offset. Each is checked against float64 ``torch`` on fp32 inputs (the interpreter multiplies in the
 input dtype, so its fp16/bf16 results say nothing about the GPU's fp32 accumulation; the GPU accuracy is
 measured by ``scripts/gpu_syrk.py --ns`` and recorded in docs/benchmarks.md).
 """
@@ -33,6 +33,12 @@ for B, m, k in [(2, 200, 96), (1, 130, 300), (3, 128, 64)]:
     for name, got, want in (("yyt", symmetric_product(Y), exact),
                             ("axpy", symmetric_product(Y, D, alpha=0.5, beta=-1.5), 0.5 * exact - 1.5 * D.double())):
         out[f"{name} {B}x{m}x{k}"] = ((got.double() - want).norm() / want.norm()).item()
+# commuting symmetric factors (polynomials in one symmetric S), as the Gram form's P Q and A P P
+S = torch.randn(2, 150, 150, generator=g, dtype=torch.float64)
+S = (S + S.mT) / 30
+P, Q = S @ S, 2 * S + S @ S @ S
+got = symmetric_product(P.float(), Z=Q.float())
+out["commuting 2x150x150"] = ((got.double() - P @ Q).norm() / (P @ Q).norm()).item()
 empty = symmetric_product(torch.randn(0, 5, 3))
 out["empty_shape"] = list(empty.shape)
 print(json.dumps(out))
@@ -55,6 +61,10 @@ def interpreted() -> dict:
 def test_matches_float64_product(interpreted, kind, case):
     # ragged tiles in m (200, 130) and k (96, 300), exactly one tile (128), batches of 1-3
     assert interpreted[f"{kind} {case}"] < 1e-6, interpreted
+
+
+def test_product_of_commuting_symmetric_matrices(interpreted):
+    assert interpreted["commuting 2x150x150"] < 1e-6, interpreted
 
 
 def test_empty_batch(interpreted):
@@ -81,3 +91,5 @@ def test_bad_shapes_are_rejected():
         symmetric_product(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="batch, m, m"):
         symmetric_product(torch.zeros(1, 4, 3), torch.zeros(1, 4, 3))
+    with pytest.raises(ValueError, match="Z must match Y"):
+        symmetric_product(torch.zeros(1, 4, 3), Z=torch.zeros(1, 4, 4))
