@@ -223,8 +223,8 @@ class Muon(torch.optim.Optimizer):
             sequence of them, or a schedule name (``"keller_jordan"``, ``"polar_express"``).
         ns_backend: ``"direct"`` (default: torch's operation sequence, keeps parity with
             ``torch.optim.Muon``), ``"gram"`` or ``"auto"`` (Gram form for matrices at least 1.5x as
-            wide as tall, direct otherwise: fewer flops, different rounding). See
-            :func:`dmuon.newton_schulz`.
+            wide as tall, direct otherwise, and on CUDA with Triton the symmetric products at half the
+            work: fewer flops, different rounding). See :func:`dmuon.newton_schulz`.
         eps: floor of the norm NS divides by (default 1e-7, as torch).
         weight_decay: decoupled weight decay for Muon params (default 0.0).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (``torch.optim.Muon``'s meaning).
