@@ -188,7 +188,7 @@ def broadcast(ctx: CommContext, tensor: torch.Tensor, src: int, kind: CommKind, 
     Over a dimension of size 1 nothing moves and nothing is counted."""
     if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    ctx.counter.record(kind, tensor.numel(), dim.value, tensor.numel() * tensor.element_size())
+    ctx.counter.record(kind, tensor, dim.value)
     with record_function(f"dmuon::broadcast[{dim.value}] ({label})"):
         work = dist.broadcast(tensor, src=ctx.global_rank(dim, src), group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)
@@ -202,7 +202,7 @@ def reduce_avg(ctx: CommContext, tensor: torch.Tensor, dst: int, kind: CommKind,
     """
     if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    ctx.counter.record(kind, tensor.numel(), dim.value, tensor.numel() * tensor.element_size())
+    ctx.counter.record(kind, tensor, dim.value)
     with record_function(f"dmuon::reduce[{dim.value}] ({label})"):
         work = dist.reduce(tensor, dst=ctx.global_rank(dim, dst), op=dist.ReduceOp.AVG, group=ctx.groups[dim],
                            async_op=True)
@@ -214,7 +214,7 @@ def all_reduce_avg(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label
     """Average ``tensor`` along ``dim``, in place on every rank (asynchronously)."""
     if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    ctx.counter.record(kind, tensor.numel(), dim.value, tensor.numel() * tensor.element_size())
+    ctx.counter.record(kind, tensor, dim.value)
     with record_function(f"dmuon::all_reduce[{dim.value}] ({label})"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)

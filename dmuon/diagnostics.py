@@ -4,8 +4,8 @@ Every collective dmuon issues goes through :mod:`dmuon._collectives`, which reco
 Counts are *payload elements per collective* (the number of tensor elements in the broadcast or reduce
 buffer) and their bytes (which tell dtypes apart: a bf16 model's reduce with
 ``reduce_dtype=torch.float32`` moves 4 bytes per element, its broadcasts 2), identical on every rank of
-the collective. For dedicated parameters of total size P, one training step therefore shows ``forward_broadcast == P``, ``backward_broadcast == P`` under Z3 (0 under
-Z2) and ``reduce == P``.
+the collective. For dedicated parameters of total size P, one training step therefore shows
+``forward_broadcast == P``, ``backward_broadcast == P`` under Z3 (0 under Z2) and ``reduce == P``.
 
 Example::
 
@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 __all__ = ["CommKind", "CommCounter", "comm_counts", "reset_comm_counts"]
@@ -52,11 +53,12 @@ class CommCounter:
     calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     nbytes: dict[tuple[CommKind, str], int] = field(default_factory=dict)
 
-    def record(self, kind: CommKind, numel: int, dim: str, nbytes: int = 0) -> None:
+    def record(self, kind: CommKind, tensor: torch.Tensor, dim: str) -> None:
+        """One collective of ``kind`` along ``dim`` whose payload is ``tensor``."""
         key = (kind, dim)
-        self.elements[key] = self.elements.get(key, 0) + int(numel)
+        self.elements[key] = self.elements.get(key, 0) + tensor.numel()
         self.calls[key] = self.calls.get(key, 0) + 1
-        self.nbytes[key] = self.nbytes.get(key, 0) + int(nbytes)
+        self.nbytes[key] = self.nbytes.get(key, 0) + tensor.numel() * tensor.element_size()
 
     def reset(self) -> None:
         self.elements.clear()
