@@ -136,18 +136,22 @@ class DedicatedParam:
             return self.main_grad
         return None if self.param is None else self.param.grad
 
-    def refresh_master(self) -> None:
-        """Owner: restart :attr:`master` from the parameter if something else wrote the parameter.
+    def refresh_master(self, master: torch.Tensor | None = None) -> None:
+        """Owner: restart ``master`` (default :attr:`master`; ``dmuon.Muon`` passes its ``master_dtype``
+        state) from the parameter if something else wrote the parameter.
 
         See [Note: master weights] in ``dmuon/_precision.py``."""
-        if self.master is not None and self.param is not None:
-            self.seen_version = refresh_master_(self.master, self.param, self.seen_version)
+        master = self.master if master is None else master
+        if master is not None and self.param is not None:
+            self.seen_version = refresh_master_(master, self.param, self.seen_version)
 
-    def write_back(self) -> None:
-        """Owner: round :attr:`master` into the parameter (the compute copy the next forward broadcasts)."""
-        if self.master is not None and self.param is not None:
+    def write_back(self, master: torch.Tensor | None = None) -> None:
+        """Owner: round ``master`` (default :attr:`master`) into the parameter, the compute copy the next
+        forward broadcasts."""
+        master = self.master if master is None else master
+        if master is not None and self.param is not None:
             with torch.no_grad():
-                self.param.copy_(self.master)
+                self.param.copy_(master)
             self.seen_version = self.param._version
 
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._patch import is_dedicated
-from ._precision import check_float_dtype, is_wider, refresh_master_
+from ._precision import check_float_dtype, is_wider
 from ._state import DMuonState, get_state
 from .group import DedicatedParam
 from .newton_schulz import (
@@ -392,7 +392,7 @@ class Muon(torch.optim.Optimizer):
             st["master"] = p.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
             dp.seen_version = p._version
         else:
-            dp.seen_version = refresh_master_(st["master"], p, dp.seen_version)
+            dp.refresh_master(st["master"])
         return st["master"]
 
     def _owned(self) -> dict[int, DedicatedParam]:
@@ -488,8 +488,7 @@ class Muon(torch.optim.Optimizer):
                 )
                 for p, target, _ in items:
                     if target is not p:
-                        p.copy_(target)  # round into the compute copy the next forward broadcasts
-                        owned[id(p)].seen_version = p._version
+                        owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts
         self._adamw.step()
         state.publish_updates()
         if not self.replicate_async:
