@@ -43,19 +43,25 @@ def _timed(fn, reps: int = 5) -> float:
     return 1e3 * statistics.median(out)
 
 
+def shape_groups(preset: str) -> dict[tuple[int, ...], int]:
+    """Matrix shape -> how many projections of a Llama preset have it (what one owner of all of them
+    batches into one NS call)."""
+    from collections import Counter
+
+    from dmuon.presets import projection_specs
+
+    return dict(Counter(tuple(s.shape) for s in projection_specs(preset)))
+
+
 def part_ns(out_dir: str) -> None:
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     from dmuon.newton_schulz import KELLER_JORDAN_COEFFICIENTS as KJ
     from dmuon.newton_schulz import newton_schulz
-    from dmuon.presets import projection_specs
 
     rows = []
     for preset in ("llama3.2-1b", "llama3-8b"):
-        groups: dict[tuple, int] = {}
-        for s in projection_specs(preset):
-            groups[tuple(s.shape)] = groups.get(tuple(s.shape), 0) + 1
-        for shape, count in groups.items():
+        for shape, count in shape_groups(preset).items():
             for n in sorted({1, min(count, 4), count}):
                 G = torch.randn((n, *shape), device="cuda", dtype=torch.bfloat16)
                 r = {"preset": preset, "shape": shape, "batch": n}
