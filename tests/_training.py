@@ -91,6 +91,17 @@ def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False
     return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
+def root_sharded(world: int) -> tuple[TinyLlama, dmuon.Muon]:
+    """The test model dedicated on this pass's device with FSDP2 on the root only, and ``dmuon.Muon``
+    (lr 0.01, torch's coefficients): for tests about dmuon's own hooks and lifetime. Root only because
+    FSDP2 units per layer keep a dropped model alive by themselves (torch 2.13 on CPU, without dmuon)."""
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    fully_shard(model, mesh=mesh)
+    return model, dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+
+
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (dedicated: broadcast from the owner)."""
     out = {}

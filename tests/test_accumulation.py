@@ -62,19 +62,10 @@ def test_no_gradient_traffic_inside_no_sync(runs, zero, variant):
 
 
 def stash_hook_job(rank: int, world: int) -> dict:
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from tests._dist import device
+    from tests._training import batches, root_sharded
 
-    import dmuon
-    from tests._dist import DEVICE_TYPE, device
-    from tests._training import KJ, batches, build_model, projection_predicate
-
-    mesh = init_device_mesh(DEVICE_TYPE, (world,))
-    model = build_model().to(device())
-    dmuon.dedicate_params(model, mesh, projection_predicate)
-    fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    model, opt = root_sharded(world)
     dps = [dp for dp in model._dmuon_state.dedicated() if dp.owner == rank]
 
     def armed() -> int:

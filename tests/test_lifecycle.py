@@ -149,21 +149,11 @@ def dropped_model_job(rank: int, world: int) -> dict:
     import gc
     import weakref
 
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon
-    from tests._dist import DEVICE_TYPE, device
-    from tests._training import KJ, batches, build_model, projection_predicate
+    from tests._dist import device
+    from tests._training import batches, root_sharded
 
-    mesh = init_device_mesh(DEVICE_TYPE, (world,))
-    model = build_model().to(device())
-    dmuon.dedicate_params(model, mesh, projection_predicate)
-    # root only: FSDP2 units per layer keep a dropped model alive by themselves (seen with torch 2.13 on
-    # CPU, without dmuon), which would hide what this test is about
-    fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    model, opt = root_sharded(world)  # root only: per-layer FSDP2 units would keep the model alive themselves
     for tok, tgt in batches(2):  # no zero_grad between them: the stash hooks get armed too
         model(tok.to(device()), tgt.to(device())).loss.backward()
         opt.step()
