@@ -27,7 +27,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
-from dmuon.models import CausalLMOutput, TinyLlama, TinyLlamaConfig
+from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig
 
 STEPS = 10
 BATCH_PER_RANK = 8

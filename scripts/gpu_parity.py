@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.models import TinyLlama, TinyLlamaConfig, projection_predicate
+from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
 
 CFG = TinyLlamaConfig(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256)
 KJ = (3.4445, -4.7750, 2.0315)

@@ -1,4 +1,4 @@
-"""GPU investigation for issue 6 (run on the device H200): where dmuon's step time goes.
+"""GPU profile (run on the device H200): where dmuon's step time goes.
 
     python scripts/gpu_profile.py --out DIR [--parts ns,fwdbwd,opt]
     torchrun --nproc_per_node 4 scripts/gpu_profile.py --parts overlap [--no-prefetch] [--replicate 2] --out DIR
@@ -23,34 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-
-def _timed(fn, reps: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(out)
-
-
-def shape_groups(preset: str) -> dict[tuple[int, ...], int]:
-    """Matrix shape -> how many projections of a Llama preset have it (what one owner of all of them
-    batches into one NS call)."""
-    from collections import Counter
-
-    from dmuon.presets import projection_specs
-
-    return dict(Counter(tuple(s.shape) for s in projection_specs(preset)))
+from dmuon.tools.presets import shape_groups
+from dmuon.tools.timing import median_ms
 
 
 def part_ns(out_dir: str) -> None:
@@ -65,10 +44,10 @@ def part_ns(out_dir: str) -> None:
             for n in sorted({1, min(count, 4), count}):
                 G = torch.randn((n, *shape), device="cuda", dtype=torch.bfloat16)
                 r = {"preset": preset, "shape": shape, "batch": n}
-                r["torch_loop"] = _timed(lambda: [_zeropower_via_newtonschulz(g, KJ, 5, 1e-7) for g in G])
+                r["torch_loop"] = median_ms(lambda: [_zeropower_via_newtonschulz(g, KJ, 5, 1e-7) for g in G])
                 for be in ("direct", "gram"):
                     for co in ("keller_jordan", "polar_express"):
-                        r[f"{be}_{co}"] = _timed(lambda: newton_schulz(G, 5, co, backend=be))
+                        r[f"{be}_{co}"] = median_ms(lambda: newton_schulz(G, 5, co, backend=be))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del G
@@ -103,7 +82,7 @@ def _profile(fn, path: str, title: str) -> str:
 def part_model(out_dir: str, what: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon import bench
+    from dmuon.tools import bench
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     if not dist.is_initialized():
@@ -158,7 +137,7 @@ def part_overlap(out_dir: str, prefetch: bool = True, replicate: int = 1) -> Non
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from dmuon import bench
+    from dmuon.tools import bench
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -216,7 +195,7 @@ def main() -> None:
     args = p.parse_args()
     parts = args.parts.split(",")
     if "overlap" in parts:
-        from dmuon.bench import replicate_error
+        from dmuon.tools.bench import replicate_error
 
         bad = replicate_error(int(os.environ.get("WORLD_SIZE", "1")), args.replicate)
         if bad:

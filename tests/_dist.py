@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from dmuon.tools.launch import free_port
 
 TIMEOUT_S = float(os.environ.get("DMUON_TEST_TIMEOUT", "240"))
 #: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)
@@ -32,12 +33,6 @@ def device() -> torch.device:
     if DEVICE_TYPE == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -92,7 +87,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args)) for r in range(world)]
         for p in procs:
             p.start()

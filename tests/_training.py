@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon
-from dmuon.models import TinyLlama, TinyLlamaConfig, projection_predicate
+from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import DEVICE_TYPE, device
 
 # [Note: test scale] bf16 rounding inside Newton-Schulz amplifies the last-bit differences that any

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon import bench
+from dmuon.tools import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.models import TinyLlama, TinyLlamaConfig
+from dmuon.tools.models import TinyLlama, TinyLlamaConfig
 from tests._dist import DEVICE_TYPE, device, run_distributed, world_available
 from tests._training import CFG, KJ, batches, build_model, projection_predicate
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
 from dmuon._state import STATE_ATTR
-from dmuon.models import TinyLlama
+from dmuon.tools.models import TinyLlama
 from tests._dist import run_distributed
 from tests._training import CFG, GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
 

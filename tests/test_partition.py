@@ -1,4 +1,4 @@
-"""Owner assignment (dmuon.partition) and Llama shape presets (dmuon.presets).
+"""Owner assignment (dmuon.partition) and Llama shape presets (dmuon.tools.presets).
 
 Pure Python, no torch.distributed: these run in well under a second.
 """
@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from dmuon.partition import OwnerPlan, ParamSpec, RankLoad, assign_owners, ns_cost
-from dmuon.presets import PRESETS, LlamaShape, projection_specs
+from dmuon.tools.presets import PRESETS, LlamaShape, projection_specs
 
 U = 4096**3  # NS-cost unit for Llama-3.1-8B: q/o cost 6U, gate/up/down 16U, k/v 18/64 U
 

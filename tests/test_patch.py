@@ -38,10 +38,10 @@ _IMPORT_ORDER_SCRIPT = textwrap.dedent(
 
 
 def test_fully_shard_imported_before_dmuon_skips_dedicated():
-    from tests._dist import _free_port
+    from dmuon.tools.launch import free_port
 
     out = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ORDER_SCRIPT.format(port=_free_port())],
+        [sys.executable, "-c", _IMPORT_ORDER_SCRIPT.format(port=free_port())],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from dmuon.partition import assign_owners
-from dmuon.plan import make_plan, shape_from_hf_config
-from dmuon.presets import projection_specs
+from dmuon.tools.plan import make_plan, shape_from_hf_config
+from dmuon.tools.presets import projection_specs
 
 
 def test_cli_json_for_llama3_8b_at_64_ranks():

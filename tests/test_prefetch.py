@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon._state import STATE_ATTR, _OrderCursor
-from dmuon.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
+from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, RunOptions, batches, full_weights, train_dmuon
 

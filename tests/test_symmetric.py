@@ -4,7 +4,7 @@ The kernel computes only the tiles on and above the diagonal and mirrors them, s
 tile bookkeeping: ragged last tiles in ``m`` and ``k``, the mirrored store, the ``beta D`` epilogue, the
 second operand ``Z`` and the batch offset. Each is checked against float64 ``torch`` on fp32 inputs (the interpreter multiplies in the
 input dtype, so its fp16/bf16 results say nothing about the GPU's fp32 accumulation; the GPU accuracy is
-measured by ``scripts/gpu_syrk.py --ns`` and recorded in docs/benchmarks.md).
+measured by ``scripts/gpu_symmetric_kernel.py --ns`` and recorded in docs/benchmarks.md).
 """
 
 from __future__ import annotations

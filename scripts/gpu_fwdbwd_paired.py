@@ -1,6 +1,6 @@
 """Forward + backward of dmuon against the unwrapped model, timed in alternating steps (run on one GPU).
 
-    python scripts/gpu_paired.py --out DIR [--rounds 60] [--shapes 4x512,4x2048]
+    python scripts/gpu_fwdbwd_paired.py --out DIR [--rounds 60] [--shapes 4x512,4x2048]
 
 The bench times its variants one after another, so host noise that comes and goes over seconds lands on
 one variant and not the other (issue 6's 1-GPU forward + backward ratio moved between 0.87 and 1.31 over 9
@@ -37,7 +37,7 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def run_shape(batch: int, seq: int, rounds: int, warmup: int, mesh, device: torch.device) -> dict:
-    from dmuon import bench
+    from dmuon.tools import bench
 
     built = {label: bench._build(v, "1b", device, torch.bfloat16, mesh, ns, wrap)
              for label, (v, wrap, ns) in VARIANTS.items()}

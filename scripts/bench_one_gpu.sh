@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The issue-6 measurements on one GPU, as recorded in docs/benchmarks.md. Usage: bash scripts/bench_issue6.sh OUT_DIR
+# The one-GPU measurements, as recorded in docs/benchmarks.md. Usage: bash scripts/bench_one_gpu.sh OUT_DIR
 set -u
-OUT=${1:?usage: bash scripts/bench_issue6.sh OUT_DIR}
+OUT=${1:?usage: bash scripts/bench_one_gpu.sh OUT_DIR}
 export PYTHONUNBUFFERED=1
 FAST="--ns-backend auto --ns-coefficients polar_express"
 B="python3 -m dmuon.bench --preset 1b --steps 20 --warmup 5"

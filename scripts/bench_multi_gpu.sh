@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 7's multi-GPU runs on one host, as recorded in docs/benchmarks.md.
-#   bash scripts/bench_issue7.sh OUT_DIR checks   # NCCL pass of the distributed tests + overlap profiles (~5 min)
-#   bash scripts/bench_issue7.sh OUT_DIR bench    # 1B / 8B step times on a 1-D mesh (~7 min on 4 GPUs)
-#   bash scripts/bench_issue7.sh OUT_DIR hsdp     # 8B HSDP 2 x N/2, replicate_async on and off (~4 min)
+# The multi-GPU runs on one host, as recorded in docs/benchmarks.md.
+#   bash scripts/bench_multi_gpu.sh OUT_DIR checks   # NCCL pass of the distributed tests + overlap profiles (~5 min)
+#   bash scripts/bench_multi_gpu.sh OUT_DIR bench    # 1B / 8B step times on a 1-D mesh (~7 min on 4 GPUs)
+#   bash scripts/bench_multi_gpu.sh OUT_DIR hsdp     # 8B HSDP 2 x N/2, replicate_async on and off (~4 min)
 # Uses every visible GPU (2, 4 or 8); the HSDP parts need 4 or more.
 set -u
-OUT=${1:?usage: bash scripts/bench_issue7.sh OUT_DIR checks|bench|hsdp}
-WHAT=${2:?usage: bash scripts/bench_issue7.sh OUT_DIR checks|bench|hsdp}
+OUT=${1:?usage: bash scripts/bench_multi_gpu.sh OUT_DIR checks|bench|hsdp}
+WHAT=${2:?usage: bash scripts/bench_multi_gpu.sh OUT_DIR checks|bench|hsdp}
 export PYTHONUNBUFFERED=1
 N=$(python3 -c "import torch; print(torch.cuda.device_count())")
 FAST="--ns-backend auto --ns-coefficients polar_express"

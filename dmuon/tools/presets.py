@@ -8,13 +8,14 @@ shapes is slow and memory-hungry. These presets produce the same
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 
-from dmuon.partition import ParamSpec
+from ..partition import ParamSpec
 
-__all__ = ["LlamaShape", "PRESETS", "projection_specs"]
+__all__ = ["LlamaShape", "PRESETS", "projection_specs", "shape_groups"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,9 @@ def projection_specs(preset: str | LlamaShape) -> list[ParamSpec]:
         ):
             specs.append(ParamSpec(f"{layer}.{name}.weight", shape, layer))
     return specs
+
+
+def shape_groups(preset: str) -> dict[tuple[int, int], int]:
+    """Matrix shape -> how many projections of ``preset`` have it: what one owner holding all of them
+    batches into one Newton–Schulz call."""
+    return dict(Counter(tuple(s.shape) for s in projection_specs(preset)))  # type: ignore[misc]

@@ -1,7 +1,7 @@
-"""GPU measurement (issue 6) of dmuon's symmetric-product kernel (``dmuon/_symmetric.py``).
+"""GPU measurement of dmuon's symmetric-product kernel (``dmuon/_symmetric.py``).
 
-    python scripts/gpu_syrk.py [--out FILE]        # the kernel alone against torch.bmm(Y, Y.mT) (cuBLAS)
-    python scripts/gpu_syrk.py --ns [--out FILE]   # newton_schulz(backend="auto") with and without it
+    python scripts/gpu_symmetric_kernel.py [--out FILE]        # the kernel alone against torch.bmm(Y, Y.mT) (cuBLAS)
+    python scripts/gpu_symmetric_kernel.py --ns [--out FILE]   # newton_schulz(backend="auto") with and without it
 
 Every Newton–Schulz step forms products whose result is symmetric (``X X^T``, ``b A + c A A``); the kernel
 computes only the tiles on and above the diagonal, about half the work. The default mode times it on the
@@ -18,7 +18,8 @@ import json
 
 import torch
 
-from gpu_profile import _timed, shape_groups
+from dmuon.tools.presets import shape_groups
+from dmuon.tools.timing import median_ms
 
 #: (batch, m, k): the NS calls of the 1B and 8B presets at one owner holding every matrix of a shape
 #: (wide matrices transposed so m <= k), plus the Gram / A A products (k = m)
@@ -32,8 +33,8 @@ def product_compare() -> list[dict]:
     rows = []
     for B, M, K in SHAPES:
         Y = torch.randn(B, M, K, device="cuda", dtype=torch.bfloat16)
-        r = {"shape": (B, M, K), "cublas_ms": _timed(lambda: torch.bmm(Y, Y.mT), reps=10),
-             "kernel_ms": _timed(lambda: symmetric_product(Y), reps=10)}
+        r = {"shape": (B, M, K), "cublas_ms": median_ms(lambda: torch.bmm(Y, Y.mT), reps=10),
+             "kernel_ms": median_ms(lambda: symmetric_product(Y), reps=10)}
         r["cublas_tflops"] = 2 * B * M * M * K / r["cublas_ms"] / 1e9
         r["kernel_vs_cublas"] = r["kernel_ms"] / r["cublas_ms"]
         rows.append(r)
@@ -63,7 +64,7 @@ def ns_compare() -> list[dict]:
             try:
                 for label, on in (("sym", True), ("cublas", False)):
                     _symmetric.usable = real if on else (lambda Y: False)
-                    r[f"{label}_ms"] = _timed(lambda: newton_schulz(G, 5, "polar_express", backend="auto"), reps=10)
+                    r[f"{label}_ms"] = median_ms(lambda: newton_schulz(G, 5, "polar_express", backend="auto"), reps=10)
                     out = newton_schulz(G[:2], 5, "polar_express", backend="auto").double()
                     r[f"{label}_dist_to_exact"] = ((out - exact).norm() / exact.norm()).item()
             finally:

@@ -1,0 +1,142 @@
+"""``python -m dmuon.plan``: the owner assignment, memory and traffic for a model shape, without a GPU.
+
+    python -m dmuon.plan --preset llama3-8b --world-size 64
+    python -m dmuon.plan --config path/to/config.json --world-size 16 --replicas 4 --json
+
+Runs the same planner ``dedicate_params`` runs (same cost model, same owners), on the projection
+matrices of a Llama-shaped model, and reports per rank: owned matrices, elements, NS-cost share, the
+memory dmuon holds for dedicated params (owned weights + Muon momentum, plus the transient full copies
+under Z3 / Z2), and the elements dmuon's collectives move per step (payload per rank, as
+``dmuon.diagnostics`` counts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+from ..partition import assign_owners
+from .presets import PRESETS, LlamaShape, projection_specs
+
+__all__ = ["make_plan", "main"]
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def shape_from_hf_config(path: str) -> LlamaShape:
+    """A ``LlamaShape`` from a HuggingFace ``config.json`` (Llama / Qwen2 / Mistral-style keys)."""
+    with open(path) as f:
+        cfg = json.load(f)
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return LlamaShape(
+            name=str(cfg.get("_name_or_path") or cfg.get("model_type") or path),
+            hidden=hidden,
+            intermediate=int(cfg["intermediate_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=int(cfg["vocab_size"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"dmuon.plan: {path} lacks {e.args[0]!r}; expected a Llama-style HF config.json") from None
+
+
+def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype: str = "bf16") -> dict[str, Any]:
+    """Everything the CLI prints, as one JSON-able dict.
+
+    Example::
+
+        info = make_plan("llama3-8b", world_size=64)
+        print(info["imbalance"], info["per_rank"][0]["persistent_bytes"])
+    """
+    if dtype not in _BYTES:
+        raise ValueError(f"dmuon.plan: dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    if not isinstance(replicas, int) or replicas < 1 or world_size % replicas:
+        raise ValueError(f"dmuon.plan: replicas must divide world_size ({world_size}), got {replicas!r}")
+    specs = projection_specs(shape)
+    plan = assign_owners(specs, world_size)
+    nbytes = _BYTES[dtype]
+    total = sum(s.numel for s in specs)
+    per_layer: dict[str, int] = defaultdict(int)
+    for s in specs:
+        per_layer[s.layer] += s.numel
+    largest_boundary = max(per_layer.values())
+    shard = world_size // replicas
+    # under HSDP the owner's whole shard column keeps a copy: sum the owned elements of each column
+    column = [sum(plan.ranks[r * shard + s].numel for r in range(replicas)) for s in range(shard)]
+    per_rank = []
+    for r in plan.ranks:
+        held = column[r.rank % shard]
+        per_rank.append({
+            "rank": r.rank,
+            "params": len(r.fqns),
+            "numel": r.numel,
+            "ns_cost_share": r.cost / max(sum(x.cost for x in plan.ranks), 1),
+            # owned weights + Muon momentum (same dtype as the weight), and the column copies (HSDP)
+            "persistent_bytes": (held + r.numel) * nbytes,
+            # Z3: one boundary's full weights at a time; Z2: every non-held weight from forward to backward
+            "peak_transient_bytes_z3": largest_boundary * nbytes,
+            "peak_transient_bytes_z2": (total - held) * nbytes,
+        })
+    moved = {
+        "z3": {"forward_broadcast": total, "backward_broadcast": total, "reduce": total},
+        "z2": {"forward_broadcast": total, "backward_broadcast": 0, "reduce": total},
+    }
+    return {
+        "preset": shape if isinstance(shape, str) else shape.name,
+        "world_size": world_size,
+        "replicas": replicas,
+        "dtype": dtype,
+        "dedicated_params": len(specs),
+        "dedicated_elements": total,
+        "imbalance": plan.imbalance,
+        "summary": plan.summary_line(),
+        "elements_moved_per_rank_per_step": moved,
+        "per_rank": per_rank,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dmuon.plan", description=__doc__.split("\n")[0])
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--config", help="a HuggingFace config.json of a Llama-style model")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--replicas", type=int, default=1, help="HSDP replicate size (default 1: plain FSDP)")
+    parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        shape = args.preset if args.preset else shape_from_hf_config(args.config)
+        info = make_plan(shape, args.world_size, args.replicas, args.dtype)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{info['preset']}: {info['dedicated_params']} projection matrices, {info['dedicated_elements']:,} elements "
+          f"({args.dtype}), {args.world_size} ranks" + (f" as {args.replicas} x {args.world_size // args.replicas} HSDP"
+                                                          if args.replicas > 1 else ""))
+    print(info["summary"])
+    print(f"\n{'rank':>5} {'params':>6} {'elements':>13} {'NS share':>8} {'owned GiB':>9} {'Z3 peak+':>9} {'Z2 peak+':>9}")
+    for r in info["per_rank"]:
+        print(f"{r['rank']:>5} {r['params']:>6} {r['numel']:>13,} {r['ns_cost_share']:>8.2%} "
+              f"{_gib(r['persistent_bytes']):>9} {_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9}")
+    m = info["elements_moved_per_rank_per_step"]
+    print(f"\nelements moved per rank per step (payload): Z3 {sum(m['z3'].values()):,}  Z2 {sum(m['z2'].values()):,}"
+          f"  (forward broadcast P, backward re-broadcast P under Z3, reduce P; P = {info['dedicated_elements']:,})")
+    print("owned GiB: weights + Muon momentum (+ HSDP column copies); peak+: transient full copies on top")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
