@@ -19,10 +19,10 @@ from .api import (
 from .clip import clip_grad_norm_
 from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from .dedicate import dedicate_params
-from .group import GroupState
-from .newton_schulz import newton_schulz
+from .optim.newton_schulz import newton_schulz
 from .optim import Muon
 from .partition import OwnerPlan
+from .runtime.group import GroupState
 
 __all__ = [
     "Muon",

@@ -13,6 +13,7 @@ dmuon's own hooks manage.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["DEDICATED_ATTR", "install_patch", "uninstall_patch", "is_patch_installed", "is_dedicated"]
+from .runtime.param import DEDICATED_ATTR, is_dedicated
 
-#: Attribute that marks a parameter as dedicated; its value is the owner's rank in the dmuon mesh.
-DEDICATED_ATTR = "_dedicated_owner_rank"
+__all__ = ["DEDICATED_ATTR", "install_patch", "uninstall_patch", "is_patch_installed", "is_dedicated"]
 
 _HOOK_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_init"
 _HOOK_NAME = "_get_managed_states"
@@ -31,16 +31,9 @@ _EXPECTED_PARAMS = ("modules", "ignored_params")
 _MARK = "__dmuon_wrapped__"
 
 
-def is_dedicated(param: torch.Tensor) -> bool:
-    """Whether ``param`` was selected by :func:`dmuon.dedicate_params`."""
-    return getattr(param, DEDICATED_ATTR, None) is not None
-
-
 def _hook_module() -> Any:
     """Import the private FSDP2 module and check the helper we wrap still looks as expected."""
     try:
-        import importlib
-
         mod = importlib.import_module(_HOOK_MODULE)
     except ImportError as e:  # pragma: no cover - depends on the torch build
         raise RuntimeError(

@@ -7,17 +7,10 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
-from ._state import get_state
+from ._fsdp import fsdp_modules
+from .runtime.hooks import get_state
 
 __all__ = ["no_sync"]
-
-
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextmanager
@@ -40,14 +33,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
                 optimizer.zero_grad()
     """
     state = get_state(model)
-    fsdp = _fsdp_modules(model)
+    fsdp = fsdp_modules(model)
     previous = state.sync_grads
     state.sync_grads = False
     for m in fsdp:
-        m.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+        m.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
         state.sync_grads = previous
         for m in fsdp:
-            m.set_requires_gradient_sync(previous, recurse=False)  # type: ignore[operator]
+            m.set_requires_gradient_sync(previous, recurse=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._state import get_state
+from .runtime.hooks import get_state
 
 __all__ = [
     "wait_all_reduces", "broadcast_all_updates", "wait_all_replicate_broadcasts", "get_dedicated_params",
@@ -110,4 +110,4 @@ def get_owned_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     state = get_state(model)
     state.bind_if_needed(allow_meta=True)
     state.wait_all_reduces()
-    return {dp.fqn: dp.reduced_grad() for dp in state.dedicated() if dp.owner == state.rank()}
+    return {dp.fqn: dp.reduced_grad() for dp in state.owned()}

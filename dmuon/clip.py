@@ -22,9 +22,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
-from . import _collectives as C
-from ._patch import is_dedicated
-from ._state import get_state
+from .runtime import comm as C
+from .runtime.hooks import get_state
+from .runtime.param import is_dedicated
 
 __all__ = ["clip_grad_norm_"]
 
@@ -78,8 +78,7 @@ def clip_grad_norm_(
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
-    if ctx.world_size > 1:
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ctx.groups[C.Dim.WORLD])
+    C.all_reduce_scalar(ctx, acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
     total = acc if inf else acc ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +19,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as C
-from ._patch import DEDICATED_ATTR, install_patch, is_dedicated
-from ._state import STATE_ATTR, DMuonState
-from .diagnostics import CommCounter
-from ._precision import check_float_dtype, is_wider
-from .group import BoundaryGroup, DedicatedParam
+from ._fsdp import FSDPModule
+from ._patch import install_patch
+from .integrations import activate_installed_glue
 from .partition import OwnerPlan, ParamSpec, assign_owners
+from .runtime import comm as C
+from .runtime.config import RuntimeConfig
+from .runtime.group import BoundaryGroup
+from .runtime.hooks import STATE_ATTR, DMuonState
+from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated
+from .runtime.precision import is_wider
 
 __all__ = ["dedicate_params", "DEFAULT_BOUNDARY_PATTERN"]
 
@@ -36,12 +40,12 @@ DEFAULT_BOUNDARY_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
 Predicate = Callable[[str, nn.Parameter], bool]
 
 
-def _is_fsdp_module(m: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(m, FSDPModule)
+class _Selected(NamedTuple):
+    fqn: str
+    module_path: str
+    name: str
+    module: nn.Module
+    param: nn.Parameter
 
 
 def _default_boundary(module_path: str) -> str | None:
@@ -162,6 +166,46 @@ def dedicate_params(
     """
     install_patch()
     # ---------------- validation: nothing changes before this block passes ---------------- #
+    mesh, replicate_mesh = _check_meshes(model, mesh, replicate_mesh)
+    config = RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    _check_model(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    selected = _select(modules, predicate, param_dtype)
+    boundary_of = {
+        s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
+        for s in selected
+    }
+    specs = [ParamSpec(s.fqn, (int(s.param.shape[0]), int(s.param.shape[1])), boundary_of[s.fqn]) for s in selected]
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    plan = assign_owners(specs, mesh.size() * replicas)
+
+    # ---------------- collective preflight: grid of ranks, and the same plan everywhere ---------------- #
+    ctx = C.CommContext.from_meshes(mesh, replicate_mesh, C.CommCounter())
+    # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
+    # model fails here instead of hanging in its first broadcast, and the settings and dtypes: ranks
+    # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
+    dtypes = [str(s.param.dtype) for s in selected]
+    fingerprint = hashlib.sha256(repr((plan.digest(), specs, config.fingerprint(), dtypes)).encode()).hexdigest()
+    digests = C.all_gather_object(ctx, fingerprint)
+    if len(set(digests)) != 1:
+        raise RuntimeError(
+            "dmuon.dedicate_params: ranks computed different owner plans or settings (different models, "
+            f"predicates, shapes or dtypes per rank?); plan digests: {digests}"
+        )
+
+    # ---------------- mutation ---------------- #
+    state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
+    setattr(model, STATE_ATTR, state)
+    activate_installed_glue()
+    if dist.get_rank() == 0:
+        logger.info(plan.summary_line())
+    return plan
+
+
+def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh | None
+                  ) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The (shard, replicate) meshes, or the error naming what is wrong with the arguments."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"dmuon.dedicate_params: model must be an nn.Module, got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -178,8 +222,6 @@ def dedicate_params(
         )
     if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
-    for arg, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        check_float_dtype(f"dmuon.dedicate_params: {arg}", value)
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     if mesh.size() * replicas != dist.get_world_size():
         raise ValueError(
@@ -188,18 +230,26 @@ def dedicate_params(
             + f" but the default process group has {dist.get_world_size()}; dmuon needs its data-parallel "
             "mesh (with replicate_mesh for HSDP) to cover every rank."
         )
+    return mesh, replicate_mesh
+
+
+def _check_model(model: nn.Module) -> None:
+    """Refuse a model dmuon already prepared, or one ``fully_shard`` already sharded."""
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
-    sharded = [name or "<root>" for name, m in model.named_modules() if _is_fsdp_module(m)]
+    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if sharded or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(
             "dmuon.dedicate_params must run before fully_shard, but these modules are already FSDP2-sharded: "
             f"{sharded[:5]}{'...' if len(sharded) > 5 else ''}. Call dedicate_params first, then fully_shard."
         )
 
-    modules = dict(model.named_modules(remove_duplicate=False))
+
+def _select(modules: dict[str, nn.Module], predicate: Predicate | None, param_dtype: torch.dtype | None
+            ) -> list[_Selected]:
+    """Every parameter the predicate selects (each object once, under its first name), checked."""
     owners_of: dict[int, list[str]] = {}
-    entries: list[tuple[str, str, str, nn.Module, nn.Parameter]] = []  # fqn, module_path, name, module, p
+    entries: list[_Selected] = []
     for module_path, module in modules.items():
         for name, p in module._parameters.items():
             if p is None:
@@ -207,81 +257,65 @@ def dedicate_params(
             fqn = f"{module_path}.{name}" if module_path else name
             owners_of.setdefault(id(p), []).append(fqn)
             if len(owners_of[id(p)]) == 1:
-                entries.append((fqn, module_path, name, module, p))
-
-    selected: list[tuple[str, str, str, nn.Module, nn.Parameter]] = []
-    for fqn, module_path, name, module, p in entries:
-        chosen = predicate(fqn, p) if predicate is not None else _default_select(module_path, module, name, p)
-        if not chosen:
-            continue
-        if p.ndim != 2:
-            raise ValueError(
-                f"dmuon.dedicate_params: predicate selected {fqn!r} with shape {tuple(p.shape)}; only 2-D weight "
-                "matrices can be dedicated (Muon orthogonalises matrices). Exclude it from the predicate."
-            )
-        if not p.requires_grad:
-            raise ValueError(
-                f"dmuon.dedicate_params: predicate selected frozen param {fqn!r} (requires_grad=False); frozen "
-                "params have no gradient to reduce. Exclude it from the predicate."
-            )
-        if param_dtype is not None and is_wider(param_dtype, p.dtype):
-            raise ValueError(
-                f"dmuon.dedicate_params: param_dtype={param_dtype} is wider than {fqn!r} ({p.dtype}); "
-                "param_dtype is the lower-precision compute dtype (the owner keeps the param's own dtype as "
-                "the master). Pass a narrower param_dtype, or None."
-            )
-        if len(owners_of[id(p)]) > 1:
-            raise ValueError(
-                f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {owners_of[id(p)][1:]}); tied "
-                "weights cannot be dedicated. Exclude it from the predicate."
-            )
-        selected.append((fqn, module_path, name, module, p))
+                entries.append(_Selected(fqn, module_path, name, module, p))
+    selected = []
+    for s in entries:
+        chosen = predicate(s.fqn, s.param) if predicate is not None else _default_select(s.module_path, s.module,
+                                                                                         s.name, s.param)
+        if chosen:
+            _check_selected(s, owners_of[id(s.param)], param_dtype)
+            selected.append(s)
     if not selected:
         raise ValueError(
             "dmuon.dedicate_params: the predicate selected no parameters"
             + ("" if predicate is not None else " (default: nn.Linear weights inside 'layers.N'/'blocks.N')")
             + "; pass predicate=lambda name, p: ... selecting the 2-D weights Muon should own."
         )
+    return selected
 
-    boundary_of = {
-        fqn: _resolve_boundary(fqn, mp, modules, hook_boundary_predicate, hook_boundary_strict)
-        for fqn, mp, *_ in selected
-    }
-    specs = [ParamSpec(fqn, (int(p.shape[0]), int(p.shape[1])), boundary_of[fqn]) for fqn, _, _, _, p in selected]
-    plan = assign_owners(specs, mesh.size() * replicas)
 
-    # ---------------- collective preflight: grid of ranks, and the same plan everywhere ---------------- #
-    ctx = C.CommContext.from_meshes(mesh, replicate_mesh, CommCounter())
-    # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
-    # model fails here instead of hanging in its first broadcast.
-    # Dtypes too: ranks disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
-    dtypes = (str(param_dtype), str(reduce_dtype), [str(p.dtype) for *_, p in selected])
-    fingerprint = hashlib.sha256(repr((plan.digest(), specs, dtypes)).encode()).hexdigest()
-    digests = C.all_gather_object(ctx, fingerprint)
-    if len(set(digests)) != 1:
-        raise RuntimeError(
-            "dmuon.dedicate_params: ranks computed different owner plans (different models, predicates or "
-            f"shapes per rank?); plan digests: {digests}"
+def _check_selected(s: _Selected, names: list[str], param_dtype: torch.dtype | None) -> None:
+    fqn, p = s.fqn, s.param
+    if p.ndim != 2:
+        raise ValueError(
+            f"dmuon.dedicate_params: predicate selected {fqn!r} with shape {tuple(p.shape)}; only 2-D weight "
+            "matrices can be dedicated (Muon orthogonalises matrices). Exclude it from the predicate."
+        )
+    if not p.requires_grad:
+        raise ValueError(
+            f"dmuon.dedicate_params: predicate selected frozen param {fqn!r} (requires_grad=False); frozen "
+            "params have no gradient to reduce. Exclude it from the predicate."
+        )
+    if param_dtype is not None and is_wider(param_dtype, p.dtype):
+        raise ValueError(
+            f"dmuon.dedicate_params: param_dtype={param_dtype} is wider than {fqn!r} ({p.dtype}); "
+            "param_dtype is the lower-precision compute dtype (the owner keeps the param's own dtype as "
+            "the master). Pass a narrower param_dtype, or None."
+        )
+    if len(names) > 1:
+        raise ValueError(
+            f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {names[1:]}); tied "
+            "weights cannot be dedicated. Exclude it from the predicate."
         )
 
-    # ---------------- mutation ---------------- #
+
+def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, plan: OwnerPlan,
+                 selected: list[_Selected], boundary_of: dict[str, str], modules: dict[str, nn.Module]
+                 ) -> DMuonState:
+    """The per-matrix records, boundary groups and hooks; the owners' values go into their buckets."""
     dps_by_boundary: dict[str, list[DedicatedParam]] = {}
-    for fqn, _, name, module, p in selected:
-        dp = DedicatedParam(fqn, module, name, plan.owners[fqn], torch.Size(p.shape), p.dtype,
-                            param_dtype if param_dtype != p.dtype else None)
-        setattr(p, DEDICATED_ATTR, dp.owner)
-        dps_by_boundary.setdefault(boundary_of[fqn], []).append(dp)
-    groups = [
-        (modules[b], BoundaryGroup(b, dps, ctx, reshard_after_forward, reduce_dtype=reduce_dtype))
-        for b, dps in dps_by_boundary.items()
-    ]
-    state = DMuonState(model, ctx, plan, groups, reshard_after_forward, prefetch=bool(prefetch))
+    for s in selected:
+        p = s.param
+        owner = plan.owners[s.fqn]
+        dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(p.shape), p.dtype,
+                            config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank)
+        setattr(p, DEDICATED_ATTR, owner)
+        dps_by_boundary.setdefault(boundary_of[s.fqn], []).append(dp)
+    groups = [(modules[b], BoundaryGroup(b, dps, ctx, config)) for b, dps in dps_by_boundary.items()]
+    state = DMuonState(model, ctx, config, groups)
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
-    setattr(model, STATE_ATTR, state)
-    if dist.get_rank() == 0:
-        logger.info(plan.summary_line())
-    return plan
+    return state
 
 
 def _default_select(module_path: str, module: nn.Module, name: str, p: nn.Parameter) -> bool:

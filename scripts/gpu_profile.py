@@ -35,8 +35,8 @@ from dmuon.tools.timing import median_ms
 def part_ns(out_dir: str) -> None:
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from dmuon.newton_schulz import KELLER_JORDAN_COEFFICIENTS as KJ
-    from dmuon.newton_schulz import newton_schulz
+    from dmuon.optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS as KJ
+    from dmuon.optim.newton_schulz import newton_schulz
 
     rows = []
     for preset in ("llama3.2-1b", "llama3-8b"):

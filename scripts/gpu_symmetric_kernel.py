@@ -1,4 +1,4 @@
-"""GPU measurement of dmuon's symmetric-product kernel (``dmuon/_symmetric.py``).
+"""GPU measurement of dmuon's symmetric-product kernel (``dmuon/optim/_symmetric.py``).
 
     python scripts/gpu_symmetric_kernel.py [--out FILE]        # the kernel alone against torch.bmm(Y, Y.mT) (cuBLAS)
     python scripts/gpu_symmetric_kernel.py --ns [--out FILE]   # newton_schulz(backend="auto") with and without it
@@ -28,7 +28,7 @@ SHAPES = [(32, 2048, 8192), (48, 2048, 2048), (32, 512, 2048), (32, 4096, 14336)
 
 
 def product_compare() -> list[dict]:
-    from dmuon._symmetric import symmetric_product
+    from dmuon.optim._symmetric import symmetric_product
 
     rows = []
     for B, M, K in SHAPES:
@@ -44,9 +44,9 @@ def product_compare() -> list[dict]:
 
 
 def ns_compare() -> list[dict]:
-    from dmuon import _symmetric
-    from dmuon.newton_schulz import POLAR_EXPRESS_COEFFICIENTS as PE
-    from dmuon.newton_schulz import newton_schulz
+    from dmuon.optim import _symmetric
+    from dmuon.optim.newton_schulz import POLAR_EXPRESS_COEFFICIENTS as PE
+    from dmuon.optim.newton_schulz import newton_schulz
 
     real = _symmetric.usable
     rows = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon
+from dmuon.optim import AdamWHParams, MuonHParams
 from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import DEVICE_TYPE, device
 
@@ -27,18 +28,14 @@ SEQ = 32
 KJ = (3.4445, -4.7750, 2.0315)
 
 
-@dataclass(frozen=True)
-class HParams:
-    lr: float = 0.01
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    weight_decay: float = 0.01
-    adjust_lr_fn: str | None = None
-    adamw_lr: float = 1e-3
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    adamw_weight_decay: float = 0.01
+#: The hyperparameters of the parity runs, in dmuon's own records (the oracle reads the same fields).
+MUON_HP = MuonHParams(lr=0.01, weight_decay=0.01, ns_coefficients=KJ)
+ADAMW_HP = AdamWHParams(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def muon_kwargs(muon: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP) -> dict:
+    """``dmuon.Muon``'s keyword arguments for these records."""
+    return {**muon.group_entries(), **{f"adamw_{k}": v for k, v in adamw.group_entries().items()}}
 
 
 def batches(steps: int, seed: int = 1234, global_batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +63,8 @@ def add_unused_proj(model: TinyLlama) -> None:
     model.layers[1].mlp.unused_proj = extra
 
 
-def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False) -> dict:
+def train_oracle(steps: int, hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP,
+                 extra_unused: bool = False) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""
     torch.manual_seed(0)
     dev = device()
@@ -75,10 +73,9 @@ def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False
     other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
     opt_m = torch.optim.Muon(
         muon_params, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
-        ns_coefficients=KJ, ns_steps=hp.ns_steps, adjust_lr_fn=hp.adjust_lr_fn,
+        ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value,
     )
-    opt_a = torch.optim.AdamW(other, lr=hp.adamw_lr, betas=hp.adamw_betas, eps=hp.adamw_eps,
-                              weight_decay=hp.adamw_weight_decay)
+    opt_a = torch.optim.AdamW(other, **adamw.group_entries())
     losses = []
     for tok, tgt in batches(steps):
         opt_m.zero_grad()
@@ -149,7 +146,7 @@ class RunOptions:
     root_boundary: bool = False
     #: dedicate_params(prefetch=...): broadcast the next boundary's weights early
     prefetch: bool = True
-    hp: HParams = field(default_factory=HParams)
+    hp: MuonHParams = MUON_HP
 
 
 def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
@@ -178,12 +175,7 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
 
         for layer in model.layers:
             layer.forward = _checkpointed(layer.forward, checkpoint)
-    hp = opts.hp
-    opt = dmuon.Muon(
-        model, lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov, ns_steps=hp.ns_steps, ns_coefficients=KJ,
-        weight_decay=hp.weight_decay, adjust_lr_fn=hp.adjust_lr_fn, adamw_lr=hp.adamw_lr,
-        adamw_betas=hp.adamw_betas, adamw_eps=hp.adamw_eps, adamw_weight_decay=hp.adamw_weight_decay,
-    )
+    opt = dmuon.Muon(model, **muon_kwargs(opts.hp))
     P = sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
     # Every all-gather in the job is FSDP2's (dmuon issues none): record their sizes.
     # (torch 2.13 FSDP2 calls dist.all_gather_single, older releases dist.all_gather_into_tensor.)

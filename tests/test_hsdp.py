@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon._state import STATE_ATTR
+from dmuon.runtime.hooks import STATE_ATTR
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate, train_oracle
 

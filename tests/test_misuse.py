@@ -11,7 +11,7 @@ from tests._dist import run_distributed
 from tests._training import build_model
 
 import dmuon
-from dmuon._state import STATE_ATTR
+from dmuon.runtime.hooks import STATE_ATTR
 
 
 def _fingerprint(model: nn.Module) -> dict:

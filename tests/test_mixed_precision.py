@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
-from dmuon._state import STATE_ATTR
+from dmuon.runtime.hooks import STATE_ATTR
 from dmuon.tools.models import TinyLlama
 from tests._dist import run_distributed
 from tests._training import CFG, GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
@@ -601,7 +601,7 @@ def test_checkpoints_hold_the_masters(restarted):
 
 def test_refresh_skips_the_check_until_the_param_is_written():
     """The per-step master check costs nothing while the param's version counter shows no write."""
-    from dmuon._precision import refresh_master_
+    from dmuon.runtime.precision import refresh_master_
 
     p = torch.nn.Parameter(torch.randn(4, 6).bfloat16())
     master = p.detach().float() * (1 + 2**-12)  # low bits only the master knows: rounds back to p

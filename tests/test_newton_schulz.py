@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from dmuon.newton_schulz import (
+from dmuon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
     KELLER_JORDAN_COEFFICIENTS,
@@ -338,7 +338,7 @@ def test_rejects_bad_eps(eps: object) -> None:
 
 # ----------------------------------------------------------------------------- schedules and backends
 
-from dmuon.newton_schulz import (  # noqa: E402
+from dmuon.optim.newton_schulz import (  # noqa: E402
     COEFFICIENT_SCHEDULES,
     GRAM_MIN_ASPECT,
     GRAM_MIN_WORK,
@@ -445,7 +445,7 @@ def test_auto_backend_follows_aspect_ratio_and_size(monkeypatch) -> None:
     # newton_schulz follows the same choice (small matrices, with the size floor lowered)
     import sys
 
-    monkeypatch.setattr(sys.modules["dmuon.newton_schulz"], "GRAM_MIN_WORK", 1)
+    monkeypatch.setattr(sys.modules["dmuon.optim.newton_schulz"], "GRAM_MIN_WORK", 1)
     for shape in [(24, 80), (40, 40)]:
         G = torch.randn(shape, generator=_gen(63))
         chosen = resolve_backend(shape)
@@ -478,7 +478,7 @@ def test_rejects_bad_backend(backend: object) -> None:
 
 
 def test_native_output_skips_only_the_final_cast() -> None:
-    from dmuon.newton_schulz import newton_schulz_native
+    from dmuon.optim.newton_schulz import newton_schulz_native
 
     G = torch.randn(3, 16, 48, generator=_gen(70))
     for backend, dtype in (("direct", torch.bfloat16), ("gram", torch.float16)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.optim import AdjustLR, adjusted_lr, muon_update_
+from dmuon.optim import AdjustLR, MuonHParams, adjusted_lr, muon_update_
 from tests._dist import run_distributed
 from tests._training import KJ, batches, build_model, projection_predicate
 
@@ -34,8 +34,8 @@ def test_muon_update_is_bitwise_torch(nesterov, fn, wd):
     for g in grads:
         ref.grad = g.clone()
         opt.step()
-        muon_update_(mine, g.clone(), buf, lr=0.03, weight_decay=wd, momentum=0.9, nesterov=nesterov,
-                     ns_steps=4, ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=AdjustLR.parse(fn))
+        muon_update_(mine, g.clone(), buf, MuonHParams(lr=0.03, weight_decay=wd, momentum=0.9, nesterov=nesterov,
+                                                       ns_steps=4, ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=fn))
     assert torch.equal(mine, ref.detach())
     assert torch.equal(buf, opt.state[ref]["momentum_buffer"])
 
@@ -159,12 +159,12 @@ def test_batched_update_is_bitwise_one_by_one(nesterov):
     bufs_one = [torch.zeros_like(w) for w in ws]
     batch = [w.clone() for w in ws]
     bufs_batch = [torch.zeros_like(w) for w in ws]
-    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, ns_coefficients=KJ, eps=1e-7,
-              adjust_lr_fn=AdjustLR.ORIGINAL)
+    hp = MuonHParams(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5, ns_coefficients=KJ,
+                     eps=1e-7, adjust_lr_fn=AdjustLR.ORIGINAL)
     for _ in range(2):
         for w, g, b in zip(one, gs, bufs_one):
-            muon_update_(w, g, b, **kw)
-        muon_update_batch_(batch, gs, bufs_batch, **kw)
+            muon_update_(w, g, b, hp)
+        muon_update_batch_(batch, gs, bufs_batch, hp)
     for a, b in zip(one, batch):
         assert torch.equal(a, b)
     for a, b in zip(bufs_one, bufs_batch):
@@ -193,7 +193,7 @@ def test_ns_backend_and_schedule_reach_the_update(monkeypatch):
     # Oracle: torch.optim.Muon (momentum, lr scaling, decay) with its NS swapped for ours in the same mode.
     from torch.optim import _muon
 
-    from dmuon.newton_schulz import newton_schulz_native
+    from dmuon.optim.newton_schulz import newton_schulz_native
 
     def ours(grad, coefficients, steps, eps):  # float16 out: dmuon adds the Gram form's result uncast
         return newton_schulz_native(grad, steps, "polar_express", eps, backend="gram")

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon._state import STATE_ATTR, _OrderCursor
+from dmuon.runtime.hooks import STATE_ATTR
+from dmuon.runtime.prefetch import _OrderCursor
 from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, RunOptions, batches, full_weights, train_dmuon

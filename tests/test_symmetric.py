@@ -1,4 +1,4 @@
-"""dmuon._symmetric: the half-tile kernel for symmetric products, run on CPU through Triton's interpreter.
+"""dmuon.optim._symmetric: the half-tile kernel for symmetric products, run on CPU through Triton's interpreter.
 
 The kernel computes only the tiles on and above the diagonal and mirrors them, so what can go wrong is the
 tile bookkeeping: ragged last tiles in ``m`` and ``k``, the mirrored store, the ``beta D`` epilogue, the
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = r"""
 import json, torch
-from dmuon._symmetric import symmetric_product
+from dmuon.optim._symmetric import symmetric_product
 g = torch.Generator().manual_seed(0)
 out = {}
 for B, m, k in [(2, 200, 96), (1, 130, 300), (3, 128, 64)]:
@@ -73,8 +73,8 @@ def test_empty_batch(interpreted):
 
 def test_used_only_where_it_wins(monkeypatch):
     pytest.importorskip("triton")
-    from dmuon import _symmetric
-    from dmuon.newton_schulz import _use_symmetric
+    from dmuon.optim import _symmetric
+    from dmuon.optim.newton_schulz import _use_symmetric
 
     big = torch.zeros(1, 2048, 2048, dtype=torch.bfloat16)
     assert not _symmetric.usable(big)  # CUDA only
@@ -85,7 +85,7 @@ def test_used_only_where_it_wins(monkeypatch):
 
 def test_bad_shapes_are_rejected():
     pytest.importorskip("triton")
-    from dmuon._symmetric import symmetric_product
+    from dmuon.optim._symmetric import symmetric_product
 
     with pytest.raises(ValueError, match="batch, m, k"):
         symmetric_product(torch.zeros(4, 4))

@@ -108,8 +108,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import checkpoint as _ckpt
-from .._patch import is_dedicated
-from .._state import STATE_ATTR
+from ..runtime.param import is_dedicated
+from ..runtime.hooks import STATE_ATTR
 from ..accumulate import no_sync as _dmuon_no_sync
 from ..clip import clip_grad_norm_ as _dmuon_clip_grad_norm_
 from ..optim import Muon

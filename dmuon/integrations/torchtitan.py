@@ -93,10 +93,11 @@ from torch.utils.hooks import RemovableHandle
 
 import dmuon
 
-from .._patch import is_dedicated
-from .._precision import is_wider
-from .._state import STATE_ATTR
-from ..newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS
+from ..runtime.param import is_dedicated
+from ..runtime.precision import is_wider
+from ..runtime.hooks import STATE_ATTR
+from ..optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
+from ..optim.update import MuonHParams
 from ..partition import OwnerPlan
 
 try:
@@ -499,6 +500,9 @@ def _install_clip_patch() -> None:
 # --------------------------------------------------------------------------------------------------- #
 # Optimizers                                                                                           #
 # --------------------------------------------------------------------------------------------------- #
+_MUON = MuonHParams()  # the defaults
+
+
 class DMuonOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizer container holding one :class:`dmuon.Muon` (Muon on owned dedicated matrices,
     AdamW on everything else).
@@ -517,17 +521,18 @@ class DMuonOptimizersContainer(OptimizersContainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        lr: float = 0.02
+        # Muon's fields are MuonHParams' (same names and defaults); torchtitan's config system needs them flat.
+        lr: float = _MUON.lr
         """Muon learning rate."""
-        momentum: float = 0.95
-        nesterov: bool = True
-        ns_steps: int = DEFAULT_NS_STEPS
+        momentum: float = _MUON.momentum
+        nesterov: bool = _MUON.nesterov
+        ns_steps: int = _MUON.ns_steps
         ns_coefficients: tuple[float, float, float] | str = KELLER_JORDAN_COEFFICIENTS
         """``(a, b, c)``, a per-step list of them, or ``"keller_jordan"`` / ``"polar_express"``."""
-        ns_backend: str = "direct"
+        ns_backend: str = _MUON.ns_backend
         """``"direct"`` (torch's arithmetic), ``"gram"`` or ``"auto"``; see :func:`dmuon.newton_schulz`."""
-        eps: float = DEFAULT_EPS
-        weight_decay: float = 0.0
+        eps: float = _MUON.eps
+        weight_decay: float = _MUON.weight_decay
         """Muon's decoupled weight decay."""
         adjust_lr_fn: str | None = None
         """``None``/``"original"`` or ``"match_rms_adamw"``, as in ``torch.optim.Muon``."""
@@ -557,10 +562,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
             )
         model = model_parts[0]
         muon = dmuon.Muon(
-            model, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
-            ns_coefficients=config.ns_coefficients,
-            ns_backend=config.ns_backend, eps=config.eps, weight_decay=config.weight_decay,
-            adjust_lr_fn=config.adjust_lr_fn, adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
+            model, **{name: getattr(config, name) for name in MuonHParams.names()},
+            adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
             adamw_foreach=config.implementation == "foreach", adamw_fused=config.implementation == "fused",
             replicate_async=config.replicate_async,

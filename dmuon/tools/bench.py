@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .launch import free_port
+from .timing import median_ms
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -132,9 +133,11 @@ class _NaiveFSDPMuon:
     def __init__(self, model: nn.Module, lr: float, adamw_lr: float) -> None:
         from torch.distributed.tensor import distribute_tensor
 
-        from ..optim import AdjustLR, muon_update_
+        from ..optim import MuonHParams, muon_update_
 
-        self._distribute, self._update, self._adjust = distribute_tensor, muon_update_, AdjustLR.ORIGINAL
+        self._distribute, self._update = distribute_tensor, muon_update_
+        self._hp = MuonHParams(lr=lr, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients=KJ,
+                               eps=1e-7)
         self.muon = [p for n, p in model.named_parameters() if _is_proj(n, p)]
         self.adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if not _is_proj(n, p)], lr=adamw_lr,
                                        **_adamw_kw(next(model.parameters()).device))
@@ -151,8 +154,7 @@ class _NaiveFSDPMuon:
             g = p.grad.full_tensor()
             full = p.full_tensor()
             buf = self.bufs.setdefault(p, torch.zeros_like(g))
-            self._update(full, g, buf, lr=self.lr, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
-                         ns_coefficients=KJ, eps=1e-7, adjust_lr_fn=self._adjust)
+            self._update(full, g, buf, self._hp)
             p.to_local().copy_(self._distribute(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
         self.adamw.step()
 
@@ -258,7 +260,7 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The most loaded owner's Muon step under the real W-rank plan vs torch's NS on all matrices / W."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from ..optim import AdjustLR, muon_update_batch_
+    from ..optim import MuonHParams, muon_update_batch_
     from ..partition import assign_owners
     from .presets import projection_specs
 
@@ -273,27 +275,17 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                  torch.randn(shape_of[f], device=device, dtype=torch.bfloat16, generator=gen),
                  torch.zeros(shape_of[f], device=device, dtype=torch.bfloat16)) for f in fqns]
 
-    def timed(fn: Callable[[], None]) -> float:
-        for _ in range(2):
-            fn()
-        _sync(device)
-        samples = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            samples.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(samples)
+    def timed(fn: Callable[[], object]) -> float:
+        return median_ms(fn, reps=args.steps)
 
     owned = mats(list(busiest.fqns))
     by_shape: dict[tuple, list] = {}
     for w, g, b in owned:  # as dmuon.Muon.step groups them
         by_shape.setdefault(tuple(w.shape), []).append((w, g, b))
     ns = _ns_options(args)
-    dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp],
-                                                 lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
-                                                 ns_coefficients=ns["ns_coefficients"], eps=1e-7,
-                                                 adjust_lr_fn=AdjustLR.ORIGINAL, ns_backend=ns["ns_backend"])
+    hp = MuonHParams(lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
+                     ns_coefficients=ns["ns_coefficients"], eps=1e-7, ns_backend=ns["ns_backend"])
+    dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp], hp)
                               for grp in by_shape.values()])
     del owned, by_shape
     everything = [g for _, g, _ in mats([s.fqn for s in specs])]

@@ -38,7 +38,7 @@ Two more options sit beside that torch-identical form:
   shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at least :data:`GRAM_MIN_WORK`, and
   ``"direct"`` otherwise. On CUDA with Triton installed, ``"auto"`` also forms the products whose
   result is symmetric (``X X^T``, ``b A + c A A``, and in the Gram form ``P Q`` and ``A P P``, products
-  of commuting symmetric matrices) with :mod:`dmuon._symmetric`'s kernel, which computes only the tiles
+  of commuting symmetric matrices) with :mod:`dmuon.optim._symmetric`'s kernel, which computes only the tiles
   on and above the diagonal, for ``m >= 1024``.
 
 Only ``"direct"`` with one ``(a, b, c)`` is bit-identical to torch; the others round differently.
@@ -310,7 +310,7 @@ def newton_schulz_native(
 
 def _use_symmetric(X: Tensor, backend: str) -> bool:
     """``"auto"`` on CUDA: compute ``X X^T`` and ``b A + c A A`` with the half-tile kernels of
-    :mod:`dmuon._symmetric` where they beat cuBLAS (imported only then: Triton is optional)."""
+    :mod:`dmuon.optim._symmetric` where they beat cuBLAS (imported only then: Triton is optional)."""
     if backend != "auto":
         return False
     from . import _symmetric

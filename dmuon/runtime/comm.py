@@ -1,4 +1,4 @@
-"""Every collective dmuon issues, in one place.
+"""Every collective dmuon issues, in one place, and the counter that records what they move.
 
 Issue and wait are separate (``broadcast`` / ``reduce_avg`` return a :class:`PendingComm`; ``wait``
 finishes it) so the runtime can overlap them with compute and tests can patch either side. All
@@ -11,22 +11,84 @@ never interleave with the trainer's own (logging all-reduces, checkpoint barrier
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
-from .diagnostics import CommCounter, CommKind
-
 __all__ = [
-    "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg", "wait", "all_gather_object",
-    "broadcast_object",
+    "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg",
+    "wait", "all_reduce_scalar", "all_gather_object", "broadcast_object",
 ]
 
 
+# --------------------------------------------------------------------------------------------------- #
+# What moved, and why                                                                                  #
+# --------------------------------------------------------------------------------------------------- #
+class CommKind(enum.Enum):
+    """Why a collective was issued."""
+
+    #: Owner -> everyone, before a boundary's forward.
+    FORWARD_BROADCAST = "forward_broadcast"
+    #: Owner -> everyone again before backward (Z3 only: the copy was freed after forward).
+    BACKWARD_BROADCAST = "backward_broadcast"
+    #: Everyone -> owner, the averaged gradient of a bucket (under HSDP: over the shard group to the
+    #: owner's column, then over the replicate group to the owner; ``by_dim`` tells them apart).
+    REDUCE = "reduce"
+    #: HSDP: the owner's updated tensor to the other replicate rows' holders, after ``step()``.
+    REPLICATE_PUBLISH = "replicate_publish"
+    #: All-reduce of gradients of plain (neither dedicated nor FSDP2-sharded) parameters.
+    REPLICATED_GRAD_ALL_REDUCE = "replicated_grad_all_reduce"
+    #: Tensors moved by the state-dict functions (gathering to or scattering from full tensors).
+    CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class CommCounter:
+    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``)."""
+
+    elements: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+    nbytes: dict[tuple[CommKind, str], int] = field(default_factory=dict)
+
+    def record(self, kind: CommKind, tensor: torch.Tensor, dim: str) -> None:
+        """One collective of ``kind`` along ``dim`` whose payload is ``tensor``."""
+        key = (kind, dim)
+        self.elements[key] = self.elements.get(key, 0) + tensor.numel()
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.nbytes[key] = self.nbytes.get(key, 0) + tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.elements.clear()
+        self.calls.clear()
+        self.nbytes.clear()
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{kind: {"elements", "bytes", "calls", "by_dim": {dim: {"elements", "bytes", "calls"}}}}``,
+        totals over dims."""
+        out: dict[str, Any] = {}
+        for kind in CommKind:
+            by_dim = {
+                dim: {"elements": self.elements[(k, dim)], "bytes": self.nbytes[(k, dim)],
+                      "calls": self.calls[(k, dim)]}
+                for (k, dim) in sorted(self.elements, key=lambda kd: kd[1])
+                if k is kind
+            }
+            out[kind.value] = {
+                "elements": sum(d["elements"] for d in by_dim.values()),
+                "bytes": sum(d["bytes"] for d in by_dim.values()),
+                "calls": sum(d["calls"] for d in by_dim.values()),
+                "by_dim": by_dim,
+            }
+        return out
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Process groups                                                                                       #
+# --------------------------------------------------------------------------------------------------- #
 class Dim(enum.Enum):
     """Which of dmuon's process groups a collective runs on."""
 
@@ -174,6 +236,9 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, handle.current_device())
 
 
+# --------------------------------------------------------------------------------------------------- #
+# Collectives: issue returns a PendingComm, wait finishes it                                           #
+# --------------------------------------------------------------------------------------------------- #
 class PendingComm(NamedTuple):
     """An issued collective: its work handle (``None`` when nothing had to be sent) and its buffer."""
 
@@ -225,6 +290,14 @@ def wait(pending: PendingComm) -> torch.Tensor:
     if pending.work is not None:
         pending.work.wait()
     return pending.tensor
+
+
+def all_reduce_scalar(ctx: CommContext, value: torch.Tensor, *, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    """Combine one small tensor over every rank in place (``SUM`` or ``MAX``) and wait; not counted, since
+    it is a few bytes (the clip norm)."""
+    if ctx.world_size > 1:
+        dist.all_reduce(value, op=op, group=ctx.groups[Dim.WORLD])
+    return value
 
 
 def all_gather_object(ctx: CommContext, obj: object) -> list[object]:

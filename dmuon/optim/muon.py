@@ -9,18 +9,17 @@ scale both), built from the model rather than a parameter list:
   torch's foreach kernels refuse mixed lists).
 
 AdamW is torch's own ``torch.optim.AdamW`` stepping groups 1–2; the Muon math mirrors
-``torch.optim.Muon`` and lives in pure helpers below.
+``torch.optim.Muon`` and lives in the pure helpers of ``dmuon/optim/update.py``.
 
-Mixed precision (see [Note: master weights] in ``dmuon/_precision.py``): Muon updates each owned matrix's
+Mixed precision (see [Note: master weights] in ``dmuon/runtime/precision.py``): Muon updates each owned matrix's
 master when it has one (``dedicate_params(param_dtype=...)`` or ``master_dtype`` here), in the master's
 dtype, and rounds the result into the parameter, which is what the next forward broadcasts.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,158 +27,23 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ._patch import is_dedicated
-from ._precision import check_float_dtype, is_wider
-from ._state import DMuonState, get_state
-from .group import DedicatedParam
-from .newton_schulz import (
-    DEFAULT_EPS,
-    Coefficients,
-    DEFAULT_NS_STEPS,
-    KELLER_JORDAN_COEFFICIENTS,
-    newton_schulz_native,
-    parse_coefficients,
-    resolve_backend,
-)
+from .._fsdp import cast_dtypes
+from ..runtime.hooks import DMuonState, get_state
+from ..runtime.param import DedicatedParam, is_dedicated
+from ..runtime.precision import check_float_dtype, is_wider
+from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
+from .update import AdamWHParams, MuonHParams, muon_update_batch_
 
-__all__ = ["Muon", "AdjustLR", "adjusted_lr", "muon_update_", "muon_update_batch_"]
-
-
-
-class AdjustLR(enum.Enum):
-    """Shape-based learning-rate scaling, with ``torch.optim.Muon``'s meaning."""
-
-    #: Keller Jordan's: ``lr * sqrt(max(1, rows / cols))``.
-    ORIGINAL = "original"
-    #: Moonshot's: ``lr * 0.2 * sqrt(max(rows, cols))`` so the update RMS matches AdamW's.
-    MATCH_RMS_ADAMW = "match_rms_adamw"
-
-    @classmethod
-    def parse(cls, value: str | AdjustLR | None) -> AdjustLR:
-        if value is None:
-            return cls.ORIGINAL
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {value!r}"
-            ) from None
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: AdjustLR, shape: Sequence[int]) -> float:
-    """The learning rate Muon applies to a matrix of ``shape`` (rows, cols)."""
-    rows, cols = shape[0], shape[1]
-    if adjust_lr_fn is AdjustLR.ORIGINAL:
-        return lr * math.sqrt(max(1.0, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
-
-
-def muon_update_(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_steps: int,
-    ns_coefficients: Coefficients,
-    eps: float,
-    adjust_lr_fn: AdjustLR,
-    ns_backend: str = "direct",
-) -> None:
-    """One Muon step on one full matrix, in place (same arithmetic as ``torch.optim.Muon`` with the
-    ``"direct"`` backend)."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    ortho = newton_schulz_native(update, ns_steps, ns_coefficients, eps, backend=ns_backend)
-    _apply_update_(param, ortho, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
-
-
-def _apply_update_(param: Tensor, ortho: Tensor, *, lr: float, weight_decay: float, adjust_lr_fn: AdjustLR) -> None:
-    """Decoupled decay then the scaled step, as ``torch.optim.Muon``. A decay factor of exactly 1 is
-    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off."""
-    if lr * weight_decay != 0.0:
-        param.mul_(1 - lr * weight_decay)
-    # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
-    param.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, param.shape))
-
-
-def muon_update_batch_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    momentum_buffers: Sequence[Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_steps: int,
-    ns_coefficients: Coefficients,
-    eps: float,
-    adjust_lr_fn: AdjustLR,
-    ns_backend: str = "direct",
-) -> None:
-    """:func:`muon_update_` for same-shape matrices, with one batched Newton-Schulz call: fewer, larger
-    matrix products. Per matrix the arithmetic is unchanged (bit-identical to the one-by-one form on CPU;
-    see ``tests/test_newton_schulz.py``)."""
-    if len(params) == 1:
-        muon_update_(params[0], grads[0], momentum_buffers[0], lr=lr, weight_decay=weight_decay, momentum=momentum,
-                     nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
-                     adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend)
-        return
-    # the (Nesterov) updates go straight into one stacked buffer: no separate stack copy
-    updates = torch.empty((len(params), *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
-    for g, buf, u in zip(grads, momentum_buffers, updates.unbind(0)):
-        buf.lerp_(g, 1 - momentum)
-        if nesterov:
-            torch.lerp(g, buf, momentum, out=u)
-        else:
-            u.copy_(buf)
-    orthos = newton_schulz_native(updates, ns_steps, ns_coefficients, eps, backend=ns_backend)
-    for p, o in zip(params, orthos.unbind(0)):
-        _apply_update_(p, o, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
-
-
-def _check_nonneg(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0 or math.isinf(value):
-        raise ValueError(f"dmuon.Muon: {name} must be a finite number >= 0, got {value!r}")
-
-
-def _activate_framework_glue() -> None:
-    """Install the Trainer/Accelerate glue when the script already uses them, so the seed's Trainer recipe
-    needs no extra line; never imports transformers or accelerate itself."""
-    import sys
-    import warnings
-
-    if "transformers" not in sys.modules and "accelerate" not in sys.modules:
-        return
-    try:
-        from .integrations import hf  # noqa: F401  (importing installs the glue)
-    except (ImportError, RuntimeError) as e:
-        warnings.warn(f"dmuon: Trainer/Accelerate glue not installed: {e}", stacklevel=3)
+__all__ = ["Muon"]
 
 
 def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
     """Refuse dedicated params whose compute dtype differs from the ``MixedPrecisionPolicy.param_dtype`` of
     the FSDP2 module around them: FSDP2 casts that module's inputs, and the first forward would fail in
     ``F.linear`` on mismatched dtypes."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
+    policies = cast_dtypes(model)
+    if policies is None:  # FSDP2 internals moved: nothing to check against
         return
-    policies: dict[str, torch.dtype] = {}
-    for path, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            try:
-                policy = m._get_fsdp_state()._mp_policy  # type: ignore[operator]
-            except AttributeError:  # FSDP2 internals moved: nothing to check against
-                return
-            if policy.param_dtype is not None and policy.cast_forward_inputs:
-                policies[path] = policy.param_dtype
     for dp in state.dedicated():
         module_path = dp.fqn.rsplit(".", 1)[0] if "." in dp.fqn else ""
         # the nearest FSDP2 module at or above the param's module decides what its inputs are cast to
@@ -194,6 +58,37 @@ def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
                 f"owners keep the {dp.dtype} values as masters), or convert the dedicated params to {pd} before "
                 "dedicate_params."
             )
+
+
+def _split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """The trainable params that are not dedicated: FSDP2 shards (DTensors) and plain params, by FQN as
+    ``model.state_dict()`` spells them (activation-checkpoint wrappers insert a segment into
+    ``named_parameters`` only)."""
+    sharded, replicated = [], []
+    for fqn, p in model.named_parameters():
+        if not p.requires_grad or is_dedicated(p):
+            continue
+        fqn = fqn.replace("_checkpoint_wrapped_module.", "")
+        (sharded if isinstance(p, DTensor) else replicated).append((fqn, p))
+    return sharded, replicated
+
+
+def _keyword_only_after_lr(init: Callable[..., None]) -> Callable[..., None]:
+    """Refuse positional arguments after ``lr`` with an error that says why (the signature, which
+    ``inspect`` reads through ``__wrapped__``, marks them keyword-only)."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 2:
+            raise TypeError(
+                f"dmuon.Muon takes the model and lr positionally and everything else by keyword; got "
+                f"{len(args)} positional arguments. Write e.g. dmuon.Muon(model, 0.02, momentum=0.95, "
+                "weight_decay=0.1): torch.optim.Muon's positional order (lr, weight_decay, momentum, ...) differs "
+                "from the one dmuon used to have, so a positional call is refused rather than guessed."
+            )
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Muon(torch.optim.Optimizer):
@@ -212,6 +107,9 @@ class Muon(torch.optim.Optimizer):
 
     ``step()`` waits for the gradient reduces, updates, and leaves every rank ready for the next forward.
     Build it after the model is materialised (after ``to_empty`` + init when using the meta device).
+
+    Everything after ``lr`` is keyword-only: ``torch.optim.Muon``'s positional order differs from the
+    one dmuon had (its 4th is ``weight_decay``), so a positional call is refused rather than guessed.
 
     Args:
         model: the root module passed to :func:`dmuon.dedicate_params`.
@@ -265,10 +163,12 @@ class Muon(torch.optim.Optimizer):
             scheduler.step()
     """
 
+    @_keyword_only_after_lr
     def __init__(
         self,
         model: nn.Module,
         lr: float = 0.02,
+        *,
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = DEFAULT_NS_STEPS,
@@ -280,7 +180,6 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
-        *,
         adamw_foreach: bool | None = None,
         adamw_fused: bool | None = None,
         replicate_async: bool = True,
@@ -292,56 +191,28 @@ class Muon(torch.optim.Optimizer):
                 f"dmuon.Muon takes the model (after dmuon.dedicate_params), not {type(model).__name__}; "
                 "it builds its param groups itself."
             )
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("adamw_lr", adamw_lr),
-                            ("adamw_eps", adamw_eps), ("adamw_weight_decay", adamw_weight_decay)):
-            _check_nonneg(name, value)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}")
-        if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 0 <= ns_steps < 100:
-            raise ValueError(f"dmuon.Muon: ns_steps must be an int in [0, 100), got {ns_steps!r}")
-        try:
-            schedule = parse_coefficients(ns_coefficients)
-            resolve_backend((1, 1), ns_backend)
-        except ValueError as e:
-            raise ValueError(f"dmuon.Muon: ns_{e}") from None
-        # kept as given (a name stays a name) so state dicts show what the user chose
-        coefficients = ns_coefficients if isinstance(ns_coefficients, str) else (
-            schedule[0] if len(schedule) == 1 else schedule)
-        if not eps > 0:
-            raise ValueError(f"dmuon.Muon: eps must be > 0, got {eps!r}")
-        if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
-            raise ValueError(f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
-        adjust = AdjustLR.parse(adjust_lr_fn)
+        muon_hp = MuonHParams(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                              ns_coefficients=ns_coefficients, eps=eps, weight_decay=weight_decay,
+                              adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend)  # type: ignore[arg-type]
+        adamw_hp = AdamWHParams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
         state = get_state(model)
         _check_fsdp_compute_dtype(model, state)
         state.bind_if_needed()
-        owned = [(dp.fqn, dp.param) for dp in state.dedicated() if dp.owner == state.rank()]
-        sharded, replicated = [], []
-        for fqn, p in model.named_parameters():
-            if not p.requires_grad or is_dedicated(p):
-                continue
-            # the model's own FQNs, as model.state_dict() spells them (activation-checkpoint wrappers
-            # insert a segment into named_parameters only)
-            fqn = fqn.replace("_checkpoint_wrapped_module.", "")
-            (sharded if isinstance(p, DTensor) else replicated).append((fqn, p))
+        owned = [(dp.fqn, dp.bound()) for dp in state.owned()]
+        sharded, replicated = _split_params(model)
 
-        adamw_hparams = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
-        muon_group = dict(
-            params=[p for _, p in owned], param_names=[n for n, _ in owned], kind="muon", lr=lr,
-            momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
-            ns_coefficients=coefficients, ns_backend=ns_backend, eps=eps, weight_decay=weight_decay,
-            adjust_lr_fn=adjust.value,
-        )
+        muon_group = dict(params=[p for _, p in owned], param_names=[n for n, _ in owned], kind="muon",
+                          **muon_hp.group_entries())
         adamw_groups = [
-            dict(params=[p for _, p in sharded], param_names=[n for n, _ in sharded], kind="adamw", **adamw_hparams),
-            dict(params=[p for _, p in replicated], param_names=[n for n, _ in replicated], kind="adamw_replicated",
-                 **adamw_hparams),
+            dict(params=[p for _, p in ps], param_names=[n for n, _ in ps], kind=kind, **adamw_hp.group_entries())
+            for kind, ps in (("adamw", sharded), ("adamw_replicated", replicated))
         ]
         # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
         # our param_groups drive AdamW too.
-        self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused, **adamw_hparams)
+        self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused,
+                                        **adamw_hp.group_entries())
         self._dmuon_state: DMuonState = state
         self.replicate_async = bool(replicate_async)
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
@@ -352,7 +223,6 @@ class Muon(torch.optim.Optimizer):
         self._building = False
         self._adamw.state = self.state
         state.replicated_params = [p for _, p in replicated]
-        _activate_framework_glue()
 
     # ------------------------------------------------------------------ #
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -379,8 +249,7 @@ class Muon(torch.optim.Optimizer):
 
     def _update_target(self, dp: DedicatedParam) -> Tensor:
         """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param."""
-        p = dp.param
-        assert p is not None
+        p = dp.bound()
         if dp.master is not None:
             dp.refresh_master()
             return dp.master
@@ -390,14 +259,36 @@ class Muon(torch.optim.Optimizer):
         st = self.state[p]
         if "master" not in st:
             st["master"] = p.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
-            dp.seen_version = p._version
+            dp.master_made_from_param()
         else:
             dp.refresh_master(st["master"])
         return st["master"]
 
     def _owned(self) -> dict[int, DedicatedParam]:
-        state = self._dmuon_state
-        return {id(dp.param): dp for dp in state.dedicated() if dp.owner == state.rank()}
+        return {id(dp.param): dp for dp in self._dmuon_state.owned()}
+
+    def _materialise_state(self) -> None:
+        """Create the zero state a first step would create, so sharded dicts have the same keys before and
+        after training starts (DCP loads into existing tensors). Mathematically a no-op."""
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for dp in self._dmuon_state.owned():
+            p = dp.bound()
+            if "momentum_buffer" not in self.state[p]:
+                self._update_target(dp)  # creates a master_dtype master from the param, as a first step does
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=self.update_dtype(dp),
+                                                                    memory_format=torch.preserve_format)
+        for g in self.param_groups:
+            if g["kind"] == "muon":
+                continue
+            for p in g["params"]:
+                st = self.state[p]
+                if len(st) == 0:
+                    on_device = g.get("fused") or g.get("capturable")
+                    st["step"] = torch.zeros((), dtype=scalar, device=p.device if on_device else "cpu")
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if g.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, except that Muon state stays in :meth:`update_dtype`
@@ -421,7 +312,7 @@ class Muon(torch.optim.Optimizer):
                     wide.append((p, self.update_dtype(dp), entry))
         super().load_state_dict(state_dict)
         for dp in self._dmuon_state.dedicated():
-            dp.seen_version = None  # new masters: compare them with the params once at the next step
+            dp.forget_master_version()  # new masters: compare them with the params once at the next step
         for p, dtype, entry in wide:
             for k in ("master", "momentum_buffer"):
                 if k in entry:
@@ -430,22 +321,25 @@ class Muon(torch.optim.Optimizer):
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
         self._adamw.state = self.state
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        # Non-owners may hold local gradients of dedicated params (inside no_sync); they are not ours
-        # to step but they are ours to clear.
+    def _replace_state(self, new_state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """``dmuon.set_optimizer_state_dict``, after validating and placing every tensor: this rank's whole
+        state and each group's hyperparameters (``params`` and ``param_names`` stay this rank's)."""
+        for g, src in zip(self.param_groups, groups):
+            for k, v in src.items():
+                if k not in ("params", "param_names"):
+                    g[k] = v
+        self.state.clear()
+        self.state.update(new_state)
         for dp in self._dmuon_state.dedicated():
-            if dp.param is not None and dp.owner != self._dmuon_state.rank():
-                dp.param.grad = None
-            dp.local_grad = dp.stashed_grad = dp.unsynced_grad = None
-            if dp.param is not None and dp.param.grad is None:
-                # nothing left to set aside before the next backward: no per-parameter hook in it
-                dp.grad_is_reduced = False
-                dp.disarm_stash()
-            if set_to_none or dp.main_grad is None:
-                dp.main_grad = None
-            else:
-                dp.main_grad.zero_()
+            dp.forget_master_version()  # new masters: compare them with the params once at the next step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, plus every dedicated gradient this rank holds: non-owners'
+        local ones (inside ``no_sync``), the owners' wide ``main_grad`` and gradients set aside during
+        accumulation. Reduces still in flight are finished first, so none lands in ``.grad`` afterwards."""
+        self._dmuon_state.finish_reduces()
+        super().zero_grad(set_to_none)
+        self._dmuon_state.clear_grads(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -463,35 +357,33 @@ class Muon(torch.optim.Optimizer):
         state.wait_all_reduces()
         owned = self._owned()
         for group in self.param_groups:
-            if group["kind"] != "muon":
-                continue
-            # same-shape matrices this rank owns go through Newton-Schulz as one batch
-            by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
-            for p in group["params"]:
-                dp = owned[id(p)]
-                grad = dp.reduced_grad()
-                if grad is None:
-                    continue
-                target = self._update_target(dp)  # p itself unless it has a master
-                grad = grad.to(target.dtype)  # a no-op without mixed precision
-                st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                by_shape.setdefault((tuple(p.shape), target.dtype, grad.dtype), []).append((p, target, grad))
-            for items in by_shape.values():
-                muon_update_batch_(
-                    [t for _, t, _ in items], [g for _, _, g in items],
-                    [self.state[p]["momentum_buffer"] for p, _, _ in items], lr=group["lr"],
-                    weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
-                    ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"], eps=group["eps"],
-                    adjust_lr_fn=AdjustLR.parse(group["adjust_lr_fn"]), ns_backend=group.get("ns_backend", "direct"),
-                )
-                for p, target, _ in items:
-                    if target is not p:
-                        owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts
+            if group["kind"] == "muon":
+                self._step_muon_group(group, owned)
         self._adamw.step()
         state.publish_updates()
         if not self.replicate_async:
             state.wait_all_replicate_broadcasts()
         state.reshard_all()
         return loss
+
+    def _step_muon_group(self, group: dict[str, Any], owned: dict[int, DedicatedParam]) -> None:
+        """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""
+        hp = MuonHParams.from_group(group)
+        by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
+        for p in group["params"]:
+            dp = owned[id(p)]
+            grad = dp.reduced_grad()
+            if grad is None:
+                continue
+            target = self._update_target(dp)  # p itself unless it has a master
+            grad = grad.to(target.dtype)  # a no-op without mixed precision
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            by_shape.setdefault((tuple(p.shape), target.dtype, grad.dtype), []).append((p, target, grad))
+        for items in by_shape.values():
+            muon_update_batch_([t for _, t, _ in items], [g for _, _, g in items],
+                               [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
+            for p, target, _ in items:
+                if target is not p:
+                    owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts

@@ -25,7 +25,13 @@ the module ran twice or under activation checkpointing). When every parameter of
 gradients of each bucket are concatenated and reduced (average) to the bucket's owner; everybody drops
 the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
 without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
-reduce, so it is never averaged twice.
+reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
+
+    EMPTY --(no_sync backward)--> UNSYNCED --(backward outside no_sync)--> READY --(bucket reduce
+    issued)--> REDUCING --(reduce done)--> REDUCED on the owner / EMPTY elsewhere
+
+and ``zero_grad`` returns to EMPTY. Only :class:`~dmuon.runtime.param.DedicatedParam` writes these
+fields; this file decides *when* (per bucket), ``dmuon/runtime/hooks.py`` feeds it the autograd events.
 
 [Note: mixed precision]
 Three dtypes per dedicated matrix, all fixed by ``dedicate_params``:
@@ -33,10 +39,10 @@ Three dtypes per dedicated matrix, all fixed by ``dedicate_params``:
 * ``dtype``: the parameter's own dtype, what state dicts hold;
 * ``compute_dtype``: what the module computes with and what broadcasts carry (``param_dtype``, default
   ``dtype``). When it differs, the ``nn.Parameter`` is the compute copy and the owner keeps the value in
-  ``dtype`` as :attr:`DedicatedParam.master` (FSDP2's sharded fp32 parameter vs. its unsharded bf16 one);
+  ``dtype`` as ``DedicatedParam.master`` (FSDP2's sharded fp32 parameter vs. its unsharded bf16 one);
 * the reduce dtype (``reduce_dtype``, default ``compute_dtype``): local gradients are cast to it before
   the reduce. When it is wider than ``compute_dtype`` the owner's averaged gradient stays in it, as
-  :attr:`DedicatedParam.main_grad` (torch refuses a ``.grad`` whose dtype differs from the
+  ``DedicatedParam.main_grad`` (torch refuses a ``.grad`` whose dtype differs from the
   parameter's), and ``no_sync`` accumulates local gradients in it (as FSDP2 does); otherwise it is cast
   to the parameter's dtype and lands in ``param.grad`` as without mixed precision.
 """
@@ -48,15 +54,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
-from torch.utils.hooks import RemovableHandle
 
-from . import _collectives as C
-from ._patch import DEDICATED_ATTR
-from ._precision import is_wider, refresh_master_
-from .diagnostics import CommKind
+from . import comm as C
+from .comm import CommKind
+from .config import RuntimeConfig
+from .errors import raise_internal
+from .param import DedicatedParam
+from .precision import is_wider
 
-__all__ = ["GroupState", "DedicatedParam", "Bucket", "BoundaryGroup"]
+__all__ = ["GroupState", "Bucket", "BoundaryGroup"]
 
 
 class GroupState(enum.Enum):
@@ -71,88 +77,6 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"
     #: Gradient reduces are in flight; non-holders already dropped weights and gradients.
     REDUCING = "reducing"
-
-
-def _raise_internal(ctx: C.CommContext, msg: str) -> None:
-    raise AssertionError(f"dmuon internal error on rank {ctx.rank}: {msg}")
-
-
-@dataclass(eq=False)
-class DedicatedParam:
-    """Per-matrix record. The parameter is re-resolved by module and name, never held by identity only,
-    because ``module.to_empty()`` (meta-device init) replaces ``Parameter`` objects."""
-
-    fqn: str
-    module: nn.Module
-    name: str
-    #: The owner's slot ``replicate_index * shard_size + shard_index`` (the mesh rank on a 1-D mesh).
-    owner: int
-    shape: torch.Size
-    #: The parameter's own dtype: what state dicts hold and :attr:`master` is kept in.
-    dtype: torch.dtype
-    #: ``dedicate_params(param_dtype=...)``: the dtype the module computes with (``None``: ``dtype``).
-    param_dtype: torch.dtype | None = None
-    #: The parameter object currently bound to a bucket (``None`` until the first bind).
-    param: nn.Parameter | None = None
-    #: Local gradient handed over by the post-accumulate hook, waiting for the group's reduce.
-    local_grad: torch.Tensor | None = None
-    #: Owner only: an already-reduced gradient set aside while autograd accumulates a fresh one.
-    stashed_grad: torch.Tensor | None = None
-    #: Whether ``param.grad`` (or :attr:`main_grad`) on this rank holds a reduced (global) gradient.
-    grad_is_reduced: bool = False
-    #: Owner only, when ``compute_dtype != dtype``: the value in ``dtype``; the parameter is its rounded
-    #: compute copy. See [Note: mixed precision].
-    master: torch.Tensor | None = None
-    #: ``param._version`` when the owner's master (either kind) and the param last agreed; ``None``:
-    #: unknown, compare them (see ``refresh_master_``).
-    seen_version: int | None = None
-    #: Owner only, when the reduce dtype is wider than ``compute_dtype``: the averaged gradient in the
-    #: reduce dtype, in place of ``param.grad``.
-    main_grad: torch.Tensor | None = None
-    #: Local gradient summed in the reduce dtype over ``no_sync`` backwards (same condition).
-    unsynced_grad: torch.Tensor | None = None
-    handles: list[RemovableHandle] = field(default_factory=list)
-    #: Owner only: the tensor hook that sets a reduced gradient aside before autograd accumulates into
-    #: it. Registered only while there is such a gradient (see ``BoundaryGroup.on_grad_reduced``), so
-    #: an ordinary backward runs no per-parameter pre-hook at all.
-    stash_hook: RemovableHandle | None = None
-
-    def disarm_stash(self) -> None:
-        if self.stash_hook is not None:
-            self.stash_hook.remove()
-            self.stash_hook = None
-
-    def current(self) -> nn.Parameter:
-        return self.module._parameters[self.name]  # type: ignore[return-value]
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """What the module computes with and broadcasts carry: the parameter object's dtype once bound."""
-        return self.param_dtype if self.param_dtype is not None else self.dtype
-
-    def reduced_grad(self) -> torch.Tensor | None:
-        """The owner's averaged gradient wherever it lives (:attr:`main_grad` or ``param.grad``)."""
-        if self.main_grad is not None:
-            return self.main_grad
-        return None if self.param is None else self.param.grad
-
-    def refresh_master(self, master: torch.Tensor | None = None) -> None:
-        """Owner: restart ``master`` (default :attr:`master`; ``dmuon.Muon`` passes its ``master_dtype``
-        state) from the parameter if something else wrote the parameter.
-
-        See [Note: master weights] in ``dmuon/_precision.py``."""
-        master = self.master if master is None else master
-        if master is not None and self.param is not None:
-            self.seen_version = refresh_master_(master, self.param, self.seen_version)
-
-    def write_back(self, master: torch.Tensor | None = None) -> None:
-        """Owner: round ``master`` (default :attr:`master`) into the parameter, the compute copy the next
-        forward broadcasts."""
-        master = self.master if master is None else master
-        if master is not None and self.param is not None:
-            with torch.no_grad():
-                self.param.copy_(master)
-            self.seen_version = self.param._version
 
 
 @dataclass(eq=False)
@@ -177,9 +101,14 @@ class Bucket:
     #: Holders' copies not yet synced from the owners (after a bind or a checkpoint load).
     stale: bool = False
 
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer; an internal error before the first bind."""
+        if self.flat is None:
+            raise_internal(f"bucket of column {self.column} used before it was bound")
+        return self.flat  # type: ignore[return-value]
+
     def nbytes(self) -> int:
-        assert self.flat is not None
-        return self.numel * self.flat.element_size()
+        return self.numel * self.buffer().element_size()
 
 
 def _segments(dps: Sequence[DedicatedParam], shard_size: int) -> list[tuple[int, int, int]]:
@@ -197,7 +126,12 @@ def _segments(dps: Sequence[DedicatedParam], shard_size: int) -> list[tuple[int,
 
 
 class BoundaryGroup:
-    """Runtime of one hook boundary. State changes only through the guarded methods below."""
+    """Runtime of one hook boundary. State changes only through the guarded methods below.
+
+    Some methods are *drains*, idempotent by design because several callers may reach them in one step
+    (``finish_reduce``, ``wait_all_publishes``, ``reshard`` from SHARDED, ``unshard`` of a prefetched
+    group); each says which states it accepts, and any other state raises an internal error naming the
+    boundary, the state and the expected ones."""
 
     # Static #
     fqn: str  # the boundary module's name ("" for the root)
@@ -208,14 +142,11 @@ class BoundaryGroup:
     #: Grad-enabled forwards whose backward has not finished yet; weights must stay reachable.
     backward_pending: bool
 
-    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, reshard_after_forward: bool,
-                 *, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, config: RuntimeConfig):
         self.fqn = fqn
         self.params = list(params)
         self.ctx = ctx
-        self.reshard_after_forward = reshard_after_forward
-        #: ``dedicate_params(reduce_dtype=...)``; ``None``: each bucket's compute dtype.
-        self.reduce_dtype = reduce_dtype
+        self.config = config
         S = ctx.shard_size
         by_column: dict[int, list[DedicatedParam]] = {}
         for dp in self.params:
@@ -230,11 +161,18 @@ class BoundaryGroup:
             self.buckets.append(Bucket(column, dps, offsets, total))
         self.state = GroupState.SHARDED
         self.backward_pending = False
-        #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the state:
-        #: it arms the stash hook).
+        #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the
+        #: model state: it arms the stash hook).
         self.on_grad_reduced: Callable[[DedicatedParam], None] | None = None
         self._bound = False
         self._pending_unshard: list[C.PendingComm] = []
+
+    def _assert_in(self, op: str, *states: GroupState) -> None:
+        if self.state not in states:
+            raise_internal(
+                f"boundary {self.fqn or '<root>'!r}: {op} in state {self.state.value}, expected "
+                + " or ".join(s.value for s in states)
+            )
 
     def is_holder(self, b: Bucket) -> bool:
         """Whether this rank keeps ``b``'s full weights (it sits in the owners' shard column)."""
@@ -255,73 +193,67 @@ class BoundaryGroup:
         Called at ``dedicate_params`` time and again whenever the parameter objects were replaced
         (``to_empty`` after meta-device init). Issues no collective.
         """
-        if self.state is not GroupState.SHARDED and self._bound:
-            _raise_internal(self.ctx, f"rebinding {self.fqn!r} in state {self.state}")
+        if self._bound:
+            self._assert_in("rebind", GroupState.SHARDED)
         with torch.no_grad():
             for b in self.buckets:
-                for dp in b.params:
-                    p = dp.current()
-                    # A parameter in param_dtype here is a compute copy from an earlier bind (re-created by
-                    # to_empty): its own dtype stays what it was. Anything else is the parameter's value.
-                    if dp.param_dtype is None or p.dtype != dp.param_dtype:
-                        dp.dtype = p.dtype
-                dtype = b.params[0].compute_dtype
-                flat = torch.empty(b.numel, dtype=dtype, device=self.ctx.device)
-                for dp, off in zip(b.params, b.offsets):
-                    p = dp.current()
-                    if dp.compute_dtype != dtype:
-                        raise ValueError(
-                            f"dmuon: dedicated params owned by one rank in boundary {self.fqn!r} must share a "
-                            f"dtype; {dp.fqn} is {dp.compute_dtype}, expected {dtype}."
-                        )
-                    value = p.detach()
-                    view = flat[off : off + dp.shape.numel()].view(dp.shape)
-                    if self.is_holder(b):
-                        view.copy_(value)  # rounds to the compute dtype under param_dtype
-                    dp.master = (value.to(dp.dtype, copy=True)
-                                 if dp.owner == self.ctx.rank and dp.compute_dtype != dp.dtype else None)
-                    for h in dp.handles:
-                        h.remove()
-                    dp.handles.clear()
-                    dp.disarm_stash()
-                    p.data = view
-                    setattr(p, DEDICATED_ATTR, dp.owner)
-                    dp.param = p
-                    dp.local_grad = dp.stashed_grad = dp.main_grad = dp.unsynced_grad = None
-                    dp.grad_is_reduced = False
-                    dp.seen_version = None
-                    register_hooks(dp)
-                if not self.is_holder(b):
-                    flat.untyped_storage().resize_(0)
-                b.flat = flat
-                b.pending_publish.clear()
-                # other rows' holders may have initialised differently: the owners' values win
-                b.stale = self.ctx.replicate_size > 1
+                self._bind_bucket(b, register_hooks)
         self.state = GroupState.SHARDED
         self._bound = True
+
+    def _bind_bucket(self, b: Bucket, register_hooks: Callable[[DedicatedParam], None]) -> None:
+        for dp in b.params:
+            dp.adopt_dtype(dp.current())
+        dtype = b.params[0].compute_dtype
+        flat = torch.empty(b.numel, dtype=dtype, device=self.ctx.device)
+        for dp, off in zip(b.params, b.offsets):
+            p = dp.current()
+            if dp.compute_dtype != dtype:
+                raise ValueError(
+                    f"dmuon: dedicated params owned by one rank in boundary {self.fqn!r} must share a "
+                    f"dtype; {dp.fqn} is {dp.compute_dtype}, expected {dtype}."
+                )
+            value = p.detach()
+            view = flat[off : off + dp.shape.numel()].view(dp.shape)
+            if self.is_holder(b):
+                view.copy_(value)  # rounds to the compute dtype under param_dtype
+            master = value.to(dp.dtype, copy=True) if dp.is_owner and dp.compute_dtype != dp.dtype else None
+            dp.bind(p, view, master)
+            register_hooks(dp)
+        if not self.is_holder(b):
+            flat.untyped_storage().resize_(0)
+        b.flat = flat
+        b.pending_publish.clear()
+        # other rows' holders may have initialised differently: the owners' values win
+        b.stale = self.ctx.replicate_size > 1
 
     # ------------------------------------------------------------------ #
     # Unshard / reshard                                                    #
     # ------------------------------------------------------------------ #
     def unshard(self, kind: CommKind) -> None:
-        """Allocate non-owner buffers and start one broadcast per bucket (SHARDED -> UNSHARDING)."""
+        """Allocate non-owner buffers and start one broadcast per bucket (SHARDED -> UNSHARDING).
+
+        REDUCING finishes the reduce first; UNSHARDING / UNSHARDED (prefetched, or Z2 copies kept for
+        backward) have nothing to issue."""
         if self.state is GroupState.REDUCING:
             self.finish_reduce()
-        if self.state is not GroupState.SHARDED:
+        if self.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
             return
+        self._assert_in("unshard", GroupState.SHARDED)
         for b in self.buckets:
-            assert b.flat is not None
+            flat = b.buffer()
             if self.is_holder(b):
                 self.sync_holders(b)
             else:
-                b.flat.untyped_storage().resize_(b.nbytes())
-            self._pending_unshard.append(C.broadcast(self.ctx, b.flat, b.column, kind, self.fqn))
+                flat.untyped_storage().resize_(b.nbytes())
+            self._pending_unshard.append(C.broadcast(self.ctx, flat, b.column, kind, self.fqn))
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
-        """UNSHARDING -> UNSHARDED."""
-        if self.state is not GroupState.UNSHARDING:
+        """UNSHARDING -> UNSHARDED (UNSHARDED: already waited for)."""
+        if self.state is GroupState.UNSHARDED:
             return
+        self._assert_in("wait_for_unshard", GroupState.UNSHARDING)
         for pending in self._pending_unshard:
             C.wait(pending)
         self._pending_unshard.clear()
@@ -333,15 +265,16 @@ class BoundaryGroup:
         self.wait_for_unshard()
 
     def reshard(self) -> None:
-        """Free non-owner weight storage (UNSHARDED -> SHARDED); owners keep theirs."""
+        """Free non-owner weight storage (UNSHARDING/UNSHARDED -> SHARDED); owners keep theirs.
+        SHARDED: nothing held, nothing to do."""
+        if self.state is GroupState.SHARDED:
+            return
         if self.state is GroupState.UNSHARDING:
             self.wait_for_unshard()
-        if self.state is not GroupState.UNSHARDED:
-            return
+        self._assert_in("reshard", GroupState.UNSHARDED)
         for b in self.buckets:
             if not self.is_holder(b):
-                assert b.flat is not None
-                b.flat.untyped_storage().resize_(0)
+                b.buffer().untyped_storage().resize_(0)
         self.state = GroupState.SHARDED
 
     # ------------------------------------------------------------------ #
@@ -357,10 +290,10 @@ class BoundaryGroup:
 
     def _issue_publish(self, b: Bucket) -> None:
         """One broadcast per owner row of ``b`` over the replicate group, from that row's owner."""
-        assert b.flat is not None
+        flat = b.buffer()
         self.wait_publish(b)
         for row, start, end in _segments(b.params, self.ctx.shard_size):
-            b.pending_publish.append(C.broadcast(self.ctx, b.flat[start:end], row, CommKind.REPLICATE_PUBLISH,
+            b.pending_publish.append(C.broadcast(self.ctx, flat[start:end], row, CommKind.REPLICATE_PUBLISH,
                                                  self.fqn, dim=C.Dim.REPLICATE))
         b.stale = False
 
@@ -389,14 +322,18 @@ class BoundaryGroup:
     def all_grads_ready(self) -> bool:
         return all(dp.local_grad is not None for dp in self.params)
 
+    def any_grad_ready(self) -> bool:
+        return any(dp.local_grad is not None for dp in self.params)
+
     def main_grad_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
         """The reduce dtype when ``dp``'s gradients are kept in it (wider than its compute dtype), else
         ``None``. See [Note: mixed precision]."""
-        rd = self.reduce_dtype
+        rd = self.config.reduce_dtype
         return rd if rd is not None and is_wider(rd, dp.compute_dtype) else None
 
     def reduce_grads(self) -> None:
-        """Start one reduce per bucket for the gradients handed over so far; drop local copies.
+        """Start one reduce per bucket for the gradients handed over so far; drop local copies
+        (-> REDUCING; a reduce still in flight from an earlier backward is finished first).
 
         Params without a local gradient (unused in this backward) are left out; parameter usage must be
         the same on every rank, as for FSDP2's reduce-scatter.
@@ -407,19 +344,15 @@ class BoundaryGroup:
             ready = [dp for dp in b.params if dp.local_grad is not None]
             if not ready:
                 continue
-            assert b.flat is not None
-            dtype = self.reduce_dtype if self.reduce_dtype is not None else b.flat.dtype
+            dtype = self.config.reduce_dtype if self.config.reduce_dtype is not None else b.buffer().dtype
+            grads = [dp.take_for_reduce() for dp in ready]
             if self.ctx.world_size == 1:  # a one-rank job: the local gradient is the average
-                b.pending_local = ([dp.local_grad.to(dtype) for dp in ready], ready)  # type: ignore[union-attr]
-                for dp in ready:
-                    dp.local_grad = None
+                b.pending_local = ([g.to(dtype) for g in grads], ready)
                 continue
-            grads = [dp.local_grad.reshape(-1).to(dtype) for dp in ready]  # type: ignore[union-attr]
+            flats = [g.reshape(-1).to(dtype) for g in grads]
             # one param: its own gradient is the buffer (dmuon took it from .grad; nobody else holds it), so
             # no copy; with W ranks a bucket usually holds one matrix, so this is most buckets at scale
-            flat_grad = torch.cat(grads) if len(grads) > 1 else grads[0]
-            for dp in ready:
-                dp.local_grad = None
+            flat_grad = torch.cat(flats) if len(flats) > 1 else flats[0]
             b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.column, CommKind.REDUCE, self.fqn), ready)
         self.backward_pending = False
         self.reshard()
@@ -427,53 +360,44 @@ class BoundaryGroup:
 
     def finish_reduce(self) -> None:
         """Wait for the row reduces; holders reduce over the replicate group (HSDP); each owner's params
-        get the averaged gradient (REDUCING -> SHARDED)."""
+        get the averaged gradient (REDUCING -> SHARDED). Any other state: nothing in flight."""
         if self.state is not GroupState.REDUCING:
             return
-        S = self.ctx.shard_size
         for b in self.buckets:
             if b.pending_local is not None:
                 grads, ready = b.pending_local
                 b.pending_local = None
                 for dp, grad in zip(ready, grads):
                     self._deliver(dp, grad)
-            if b.pending_reduce is None:
-                continue
-            pending, ready = b.pending_reduce
-            b.pending_reduce = None
-            flat_grad = C.wait(pending)
-            if not self.is_holder(b):
-                continue
-            stage2 = [
-                C.reduce_avg(self.ctx, flat_grad[start:end], row, CommKind.REDUCE, self.fqn, dim=C.Dim.REPLICATE)
-                for row, start, end in _segments(ready, S)
-            ]
-            for p2 in stage2:
-                C.wait(p2)
-            off = 0
-            for dp in ready:
-                n = dp.shape.numel()
-                if dp.owner == self.ctx.rank:
-                    self._deliver(dp, flat_grad[off : off + n].view(dp.shape))
-                off += n
+            if b.pending_reduce is not None:
+                pending, ready = b.pending_reduce
+                b.pending_reduce = None
+                self._finish_bucket_reduce(b, C.wait(pending), ready)
         self.state = GroupState.SHARDED
 
+    def _finish_bucket_reduce(self, b: Bucket, flat_grad: torch.Tensor, ready: list[DedicatedParam]) -> None:
+        if not self.is_holder(b):
+            for dp in ready:
+                dp.release()
+            return
+        stage2 = [
+            C.reduce_avg(self.ctx, flat_grad[start:end], row, CommKind.REDUCE, self.fqn, dim=C.Dim.REPLICATE)
+            for row, start, end in _segments(ready, self.ctx.shard_size)
+        ]
+        for p2 in stage2:
+            C.wait(p2)
+        off = 0
+        for dp in ready:
+            n = dp.shape.numel()
+            if dp.is_owner:
+                self._deliver(dp, flat_grad[off : off + n].view(dp.shape))
+            else:
+                dp.release()
+            off += n
+
     def _deliver(self, dp: DedicatedParam, g: torch.Tensor) -> None:
-        """Owner: hand ``dp`` its averaged gradient (``main_grad`` in a wider reduce dtype, else ``.grad``),
-        adding a gradient set aside or already reduced in this accumulation."""
-        assert dp.param is not None
-        if self.main_grad_dtype(dp) is not None:
-            # a gradient already reduced (accumulation without no_sync) sits in main_grad itself
-            dp.main_grad = g if dp.main_grad is None else dp.main_grad.add_(g)
-        else:
-            g = g.to(dp.param.dtype)
-            if dp.stashed_grad is not None:
-                g = dp.stashed_grad.add_(g)
-                dp.stashed_grad = None
-            dp.param.grad = g
-            if self.on_grad_reduced is not None:
-                self.on_grad_reduced(dp)
-        dp.grad_is_reduced = True
+        if dp.deliver(g, self.main_grad_dtype(dp)) and self.on_grad_reduced is not None:
+            self.on_grad_reduced(dp)
 
     # ------------------------------------------------------------------ #
     # Introspection                                                        #
@@ -486,4 +410,5 @@ class BoundaryGroup:
         )
 
     def __repr__(self) -> str:
-        return f"BoundaryGroup({self.fqn!r}, params={len(self.params)}, buckets={len(self.buckets)}, state={self.state.value})"
+        return (f"BoundaryGroup({self.fqn!r}, params={len(self.params)}, buckets={len(self.buckets)}, "
+                f"state={self.state.value})")

@@ -1,0 +1,29 @@
+"""State dicts for models and optimizers prepared by dmuon: full (topology-free) or sharded (for DCP).
+
+*Full* dicts hold complete tensors keyed by the model's own FQNs, exactly what a single-process
+``model.state_dict()`` would give, so they load into a plain model, save with ``torch.save`` or
+safetensors, and restore on any number of ranks with any owner assignment. *Sharded* dicts
+(``sharded=True``) are for ``torch.distributed.checkpoint``: FSDP2 params as DTensors, each dedicated
+tensor only on its owner, nothing gathered to one rank.
+
+Every function here is collective (call it on all ranks), drains pending dmuon work first and issues
+the same collectives in the same order on every rank. The setters validate the whole input before
+changing anything; on any mismatch every rank raises the same ``ValueError``.
+
+Mixed precision: a dedicated param given a ``param_dtype`` by ``dedicate_params`` appears in model dicts
+with its owner's master value in its own dtype (as FSDP2's ``MixedPrecisionPolicy`` keeps fp32 sharded
+params), and loading writes the master and rounds it into the compute copy. ``dmuon.Muon(master_dtype=...)``
+masters are optimizer state (``"master"``, beside ``momentum_buffer``, both in the master dtype).
+
+Layout: ``model.py`` and ``optimizer.py`` hold the two pairs of functions, ``_common.py`` what they share.
+"""
+
+from .model import get_model_state_dict, set_model_state_dict
+from .optimizer import get_optimizer_state_dict, set_optimizer_state_dict
+
+__all__ = [
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+]

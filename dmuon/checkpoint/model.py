@@ -1,0 +1,198 @@
+"""Model state dicts: full (topology-free) or sharded (for DCP). See ``dmuon/checkpoint/__init__.py``."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..runtime import comm as C
+from ..runtime.comm import CommKind
+from ..runtime.hooks import DMuonState
+from ..runtime.param import DedicatedParam
+from ._common import (
+    Mode,
+    bcast_from_rank0,
+    detect_mode,
+    listing,
+    prepare,
+    rank0_coord,
+    same_storage,
+    scatter_dtensor,
+    structure_fingerprint,
+)
+
+__all__ = ["get_model_state_dict", "set_model_state_dict"]
+
+
+class _Kind(enum.Enum):
+    DEDICATED = "dedicated"  # full tensor on its owner, 0-byte placeholder elsewhere
+    DTENSOR = "dtensor"  # FSDP2 shard
+    PLAIN = "plain"  # replicated parameter or buffer
+
+
+@dataclass
+class _Entry:
+    key: str
+    tensor: torch.Tensor  # the live parameter / buffer / state tensor (a dedicated param's master if any)
+    kind: _Kind
+    dp: DedicatedParam | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype state dicts hold: a dedicated param's own dtype even where it is a compute copy."""
+        return self.dp.dtype if self.dp is not None else self.tensor.dtype
+
+
+def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
+    dedicated = {id(dp.current()): dp for dp in state.dedicated()}
+    entries = []
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in dedicated:
+            dp = dedicated[id(t)]
+            entries.append(_Entry(key, dp.master if dp.master is not None else t, _Kind.DEDICATED, dp))
+        elif isinstance(t, DTensor):
+            entries.append(_Entry(key, t, _Kind.DTENSOR))
+        else:
+            entries.append(_Entry(key, t, _Kind.PLAIN))
+    return entries
+
+
+def get_model_state_dict(
+    model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = False, sharded: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by FQN. Collective.
+
+    Full (default): complete tensors on every rank (``rank0_only=True``: only rank 0 returns them, the
+    others ``{}``), on CPU unless ``cpu_offload=False``; loadable into a plain single-process model.
+    ``sharded=True``: for ``torch.distributed.checkpoint``; FSDP2 params as DTensors, each dedicated
+    tensor only on its owner, the live tensors themselves (so ``dcp.load`` fills the model in place).
+
+    Example::
+
+        model_sd = dmuon.get_model_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save(model_sd, "model.pt")   # or safetensors.torch.save_file(model_sd, ...)
+    """
+    state = prepare(model)
+    # param_dtype masters whose compute copy was written directly follow it (as the next step would).
+    # Only here: a setter must not, since dcp.load fills the masters in place before set_model_state_dict
+    # rounds them into the compute copies.
+    state.refresh_masters()
+    ctx = state.ctx
+    keep = not rank0_only or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for e in _model_entries(model, state):
+            mine = e.dp is not None and e.dp.owner == ctx.rank
+            if sharded:
+                if e.kind is not _Kind.DEDICATED or mine:
+                    out[e.key] = e.tensor.detach()
+                continue
+            if e.kind is _Kind.DEDICATED:
+                assert e.dp is not None
+                buf = (e.tensor.detach().clone() if mine
+                       else torch.empty(e.tensor.shape, dtype=e.dtype, device=ctx.device))
+                value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
+            elif e.kind is _Kind.DTENSOR:
+                value = e.tensor.detach().full_tensor()
+                if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one
+                    value = value.clone()
+            else:
+                value = e.tensor.detach().clone()
+            if keep:
+                out[e.key] = value.cpu() if cpu_offload else value
+    return out
+
+
+def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) -> list[str]:
+    sharded = any(isinstance(v, DTensor) for v in sd.values())
+    expected = {
+        e.key: e for e in entries
+        if not (sharded and e.kind is _Kind.DEDICATED and e.dp is not None and e.dp.owner != rank)
+    }
+    missing = [k for k in expected if k not in sd]
+    unexpected = [str(k) for k in sd if k not in expected]
+    shapes, dtypes = [], []
+    for k, e in expected.items():
+        if k not in sd:
+            continue
+        v = sd[k]
+        if not isinstance(v, torch.Tensor):
+            shapes.append(f"{k} (not a tensor: {type(v).__name__})")
+        elif tuple(v.shape) != tuple(e.tensor.shape):
+            shapes.append(f"{k} {tuple(v.shape)} != {tuple(e.tensor.shape)}")
+        elif v.dtype != e.dtype:
+            dtypes.append(f"{k} {v.dtype} != {e.dtype}")
+    errors = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("wrong shapes", shapes), ("wrong dtypes", dtypes)):
+        if items:
+            errors.append(listing(label, items))
+    return ["; ".join(errors)] if errors else []
+
+
+def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a state dict from :func:`get_model_state_dict` (full or sharded) into the model. Collective.
+
+    Full dicts: pass the same dict on every rank, or the dict on rank 0 and ``{}`` elsewhere; the dict
+    may come from another world size (owners take their tensors, FSDP2 shards their slices).
+    Keys, shapes and dtypes are checked for the whole dict first; on any mismatch every rank raises a
+    ``ValueError`` listing missing / unexpected / mis-shaped keys and nothing changes.
+
+    Example::
+
+        sd = torch.load("model.pt") if dist.get_rank() == 0 else {}
+        dmuon.set_model_state_dict(model, sd)
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"dmuon.set_model_state_dict: expected a mapping, got {type(state_dict).__name__}")
+    state = prepare(model)
+    ctx = state.ctx
+    entries = _model_entries(model, state)
+    has = len(state_dict) > 0
+    errors = _validate_model_sd(entries, state_dict, ctx.rank) if has else []
+    sharded = any(isinstance(v, DTensor) for v in state_dict.values())
+    fp = "" if sharded else structure_fingerprint(dict(state_dict))
+    mode = detect_mode(state, "set_model_state_dict", has, errors, fp)
+    with torch.no_grad():
+        for e in entries:
+            mine = e.dp is not None and e.dp.owner == ctx.rank
+            if e.kind is _Kind.DEDICATED:
+                assert e.dp is not None
+                if mode is Mode.ALL:
+                    if mine and not same_storage(state_dict[e.key], e.tensor):
+                        e.tensor.copy_(state_dict[e.key])
+                elif e.dp.owner == rank0_coord(state):
+                    if mine:
+                        e.tensor.copy_(state_dict[e.key])
+                else:
+                    full = bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape, e.dtype, e.key)
+                    if mine:
+                        e.tensor.copy_(full)
+                if mine:
+                    e.dp.write_back()  # param_dtype: round the loaded master into the compute copy
+            elif e.kind is _Kind.DTENSOR:
+                v = state_dict.get(e.key)
+                if isinstance(v, DTensor):
+                    if not same_storage(v, e.tensor):
+                        e.tensor.copy_(v.redistribute(e.tensor.device_mesh, e.tensor.placements))
+                else:
+                    e.tensor.copy_(scatter_dtensor(e.tensor, v, mode, state, e.key))  # type: ignore[arg-type]
+            else:
+                if mode is Mode.ALL:
+                    if not same_storage(state_dict[e.key], e.tensor):
+                        e.tensor.copy_(state_dict[e.key])
+                else:
+                    e.tensor.copy_(bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape,
+                                                     e.tensor.dtype, e.key))
+    # HSDP: the other rows' holders take the owners' new values now; no stale copy survives anywhere
+    state.publish_updates()
+    state.wait_all_replicate_broadcasts()
+    state.reshard_all()

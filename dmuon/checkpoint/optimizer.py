@@ -1,0 +1,308 @@
+"""Optimizer state dicts: Muon momenta (and masters) from their owners, AdamW moments and steps, and every
+param group's hyperparameters. See ``dmuon/checkpoint/__init__.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..optim import Muon
+from ..runtime import comm as C
+from ..runtime.comm import CommKind
+from ..runtime.hooks import DMuonState, get_state
+from ..runtime.param import DedicatedParam
+from ._common import (
+    Mode,
+    bcast_from_rank0,
+    detect_mode,
+    listing,
+    prepare,
+    rank0_coord,
+    same_storage,
+    scatter_dtensor,
+    structure_fingerprint,
+)
+
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuonState:
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"dmuon optimizer state dicts need a dmuon.Muon, got {type(optimizer).__name__}")
+    state = get_state(model)
+    if optimizer._dmuon_state is not state:
+        raise ValueError("dmuon: this optimizer was built for a different model.")
+    return state
+
+
+def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
+    """Global param names per group: the Muon group lists every dedicated FQN, not just owned ones."""
+    return [
+        [dp.fqn for dp in state.dedicated()] if g["kind"] == "muon" else list(g["param_names"])
+        for g in optimizer.param_groups
+    ]
+
+
+def _adamw_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
+    return [
+        (name, p, g)
+        for g in optimizer.param_groups if g["kind"] != "muon"
+        for p, name in zip(g["params"], g["param_names"])
+    ]
+
+
+def get_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, cpu_offload: bool = True, rank0_only: bool = False,
+    sharded: bool = False,
+) -> dict[str, Any]:
+    """``{"state": {fqn: {name: tensor}}, "param_groups": [...]}`` keyed by FQN. Collective.
+
+    Full (default): Muon momenta and AdamW moments as complete tensors, AdamW ``step``, and each group's
+    hyperparameters (so a scheduler's ``lr`` survives) with the global ``param_names``. ``sharded=True``:
+    for DCP; live tensors, AdamW moments as DTensors, each Muon momentum only on its owner.
+
+    Example::
+
+        optim_sd = dmuon.get_optimizer_state_dict(model, optimizer)
+        if dist.get_rank() == 0:
+            torch.save(optim_sd, "optim.pt")
+    """
+    state = _check_optimizer(model, optimizer)
+    prepare(model)
+    ctx = state.ctx
+    if sharded:
+        optimizer._materialise_state()
+    opt: Any = optimizer
+    owned_meta = {
+        dp.fqn: [(k, tuple(v.shape), v.dtype) for k, v in sorted(opt.state[dp.param].items())]
+        for dp in state.dedicated()
+        if dp.owner == ctx.rank and opt.state.get(dp.param)
+    }
+    adamw_present = [name for name, p, _ in _adamw_params(opt) if opt.state.get(p)]
+    views = C.all_gather_object(ctx, (owned_meta, adamw_present))
+    if any(present != views[0][1] for _, present in views):
+        raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
+    muon_meta: dict[str, list] = {}
+    for meta, _ in views:
+        muon_meta.update(meta)
+
+    def finish(t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if cpu_offload else t
+
+    out_state: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for dp in state.dedicated():
+            if dp.fqn not in muon_meta:
+                continue
+            mine = dp.owner == ctx.rank
+            if sharded:
+                if mine:
+                    out_state[dp.fqn] = dict(opt.state[dp.param])
+                continue
+            entry = {}
+            for k, shape, dtype in muon_meta[dp.fqn]:
+                buf = (opt.state[dp.param][k].detach().clone() if mine
+                       else torch.empty(shape, dtype=dtype, device=ctx.device))
+                entry[k] = finish(C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}",
+                                                     dim=C.Dim.WORLD)))
+            out_state[dp.fqn] = entry
+        for name, p, _ in _adamw_params(opt):
+            st = opt.state.get(p)
+            if not st:
+                continue
+            if sharded:
+                out_state[name] = dict(st)
+                continue
+            entry = {}
+            for k in sorted(st):
+                v = st[k]
+                if isinstance(v, DTensor):
+                    full = v.full_tensor()
+                    entry[k] = finish(full.clone() if same_storage(full, v) else full)
+                elif isinstance(v, torch.Tensor):
+                    entry[k] = finish(v.detach().clone())
+                else:
+                    entry[k] = v
+            out_state[name] = entry
+    groups = [
+        {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "param_names": names}
+        for g, names in zip(opt.param_groups, _group_names(opt, state))
+    ]
+    if rank0_only and not sharded and dist.get_rank() != 0:
+        return {}
+    return {"state": out_state, "param_groups": groups}
+
+
+def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
+    if not isinstance(sd, Mapping) or set(sd) != {"state", "param_groups"}:
+        keys = sorted(map(str, sd)) if isinstance(sd, Mapping) else type(sd).__name__
+        return [f"expected a dict with 'state' and 'param_groups', got {keys}"]
+    groups, st = sd["param_groups"], sd["state"]
+    expected_names = _group_names(opt, state)
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(opt.param_groups):
+        return [f"expected {len(opt.param_groups)} param groups, got {len(groups) if isinstance(groups, (list, tuple)) else groups!r}"]
+    errors = []
+    for i, (g, mine, names) in enumerate(zip(groups, opt.param_groups, expected_names)):
+        if not isinstance(g, Mapping) or g.get("kind") != mine["kind"]:
+            errors.append(f"param group {i}: kind {g.get('kind') if isinstance(g, Mapping) else g!r} != {mine['kind']!r}")
+            continue
+        got = list(g.get("param_names", []))
+        missing = [n for n in names if n not in set(got)]
+        unexpected = [n for n in got if n not in set(names)]
+        if missing:
+            errors.append(f"param group {i} ({mine['kind']}): " + listing("missing params", missing))
+        if unexpected:
+            errors.append(f"param group {i} ({mine['kind']}): " + listing("unexpected params", unexpected))
+    if errors:
+        return ["; ".join(errors)]
+    full_shape = {dp.fqn: tuple(dp.shape) for dp in state.dedicated()}
+    full_shape.update({name: tuple(p.shape) for name, p, _ in _adamw_params(opt)})
+    dtype_of = {name: p.dtype for name, p, _ in _adamw_params(opt)}
+    muon_dps = {dp.fqn: dp for dp in state.dedicated()}
+    bad = []
+    if not isinstance(st, Mapping):
+        return [f"'state' must be a dict, got {type(st).__name__}"]
+    unexpected_state = [str(k) for k in st if k not in full_shape]
+    if unexpected_state:
+        bad.append(listing("state for unknown params", unexpected_state))
+    for name, entry in st.items():
+        if name not in full_shape:
+            continue
+        if not isinstance(entry, Mapping):
+            bad.append(f"state of {name} is a {type(entry).__name__}, not a dict")
+            continue
+        dp = muon_dps.get(name)
+        allowed = None if dp is None else _muon_state_dtypes(opt, dp)
+        for k, v in entry.items():
+            want = allowed.get(k) if allowed is not None else dtype_of[name]
+            if allowed is not None and k not in allowed:
+                hint = "; build dmuon.Muon with the master_dtype it was saved with" if k == "master" else ""
+                bad.append(f"{name}.{k} (Muon state holds only {' and '.join(sorted(allowed))}{hint})")
+            elif isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) != full_shape[name]:
+                bad.append(f"{name}.{k} shape {tuple(v.shape)} != {full_shape[name]}")
+            elif isinstance(v, torch.Tensor) and k != "step" and v.dtype != want:
+                bad.append(f"{name}.{k} dtype {v.dtype} != {want}")
+            elif k == "step" and (not isinstance(v, (torch.Tensor, int, float)) or
+                                  (isinstance(v, torch.Tensor) and v.numel() != 1)):
+                bad.append(f"{name}.step must be a scalar")
+    return ["; ".join(bad)] if bad else []
+
+
+def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
+    """The Muon state keys ``dp`` may have and their dtypes (rank-independent)."""
+    out = {"momentum_buffer": opt.update_dtype(dp)}
+    master = opt.state_master_dtype(dp)
+    if master is not None:
+        out["master"] = master
+    return out
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any]) -> None:
+    """Load a dict from :func:`get_optimizer_state_dict` (full or sharded, any world size). Collective.
+
+    Replaces the optimizer's state and param-group hyperparameters. Same rules as
+    :func:`set_model_state_dict`: same dict everywhere or rank 0 only; validated first (a dict from a
+    different model is named as such), then applied, or nothing changes.
+
+    Example::
+
+        ckpt = torch.load("checkpoint.pt", map_location="cpu")
+        dmuon.set_model_state_dict(model, ckpt["model"])
+        dmuon.set_optimizer_state_dict(model, optimizer, ckpt["optim"])
+    """
+    state = _check_optimizer(model, optimizer)
+    prepare(model)
+    mode = _agree(optimizer, state, state_dict)
+    groups, structure, local_state = _sources(state, state_dict, mode)
+    with torch.no_grad():
+        new_state = _muon_state_to_load(optimizer, state, mode, structure, local_state)
+        new_state.update(_adamw_state_to_load(optimizer, state, mode, structure, local_state))
+    optimizer._replace_state(new_state, groups)
+
+
+def _agree(opt: Muon, state: DMuonState, state_dict: Any) -> Mode:
+    """Validate locally, then agree with every rank on the mode (or raise together)."""
+    has = isinstance(state_dict, Mapping) and len(state_dict) > 0
+    errors = _validate_optim_sd(opt, state, state_dict) if has else []
+    is_sharded = has and not errors and any(
+        isinstance(v, DTensor) for e in state_dict["state"].values() for v in e.values()
+    )
+    fp = "" if (is_sharded or not has or errors) else structure_fingerprint(
+        {k: v for k, v in state_dict["state"].items() if k not in set(_group_names(opt, state)[0])}
+    )
+    return detect_mode(state, "set_optimizer_state_dict", has, errors, fp)
+
+
+def _sources(state: DMuonState, state_dict: Any, mode: Mode) -> tuple[list[dict], dict | None, Mapping[str, Any]]:
+    """The param groups, the structure (rank-0 mode: what rank 0 holds, sent to everybody; tensors follow
+    one by one) and this rank's view of the state."""
+    if mode is not Mode.RANK0:
+        return state_dict["param_groups"], None, state_dict["state"]
+    meta = C.broadcast_object(state.ctx, None if dist.get_rank() != 0 else (
+        [{k: v for k, v in g.items()} for g in state_dict["param_groups"]],
+        {n: {k: ((tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else ("value", v))
+             for k, v in e.items()} for n, e in state_dict["state"].items()},
+    ), rank0_coord(state))
+    groups, structure = meta  # type: ignore[misc]
+    return groups, structure, (state_dict["state"] if dist.get_rank() == 0 else {})
+
+
+def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
+                        local_state: Mapping[str, Any]) -> dict[nn.Parameter, dict[str, Any]]:
+    """Muon momenta (and masters) for the (possibly new) owners."""
+    new_state: dict[nn.Parameter, dict[str, Any]] = {}
+    for dp in state.dedicated():
+        p = dp.bound()
+        if mode is Mode.ALL:
+            if dp.is_owner and dp.fqn in local_state:
+                dtypes = _muon_state_dtypes(opt, dp)
+                new_state[p] = {k: v.detach().to(p.device, dtypes[k]).clone() for k, v in local_state[dp.fqn].items()}
+            continue
+        for k, (shape, dtype, _) in sorted(structure.get(dp.fqn, {}).items()):  # type: ignore[union-attr]
+            v = local_state.get(dp.fqn, {}).get(k)
+            if dp.owner == rank0_coord(state):
+                full = v
+            else:
+                full = bcast_from_rank0(state, v, torch.Size(shape), dtype, f"{dp.fqn}.{k}")
+            if dp.is_owner:
+                new_state.setdefault(p, {})[k] = full.detach().to(p.device, _muon_state_dtypes(opt, dp)[k]).clone()
+    return new_state
+
+
+def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
+                         local_state: Mapping[str, Any]) -> dict[nn.Parameter, dict[str, Any]]:
+    """AdamW: DTensor moments re-sharded for this topology; scalars and plain tensors copied."""
+    new_state: dict[nn.Parameter, dict[str, Any]] = {}
+    for name, p, g in _adamw_params(opt):
+        source = local_state.get(name, {}) if mode is Mode.ALL else structure.get(name, {})  # type: ignore[union-attr]
+        if not source:
+            continue
+        st: dict[str, Any] = {}
+        for k in sorted(source):
+            v = local_state.get(name, {}).get(k)
+            spec = structure[name][k] if structure is not None else None
+            if spec is not None and spec[0] == "value":
+                st[k] = spec[1]
+            elif mode is Mode.ALL and not isinstance(v, torch.Tensor):
+                st[k] = v
+            elif k == "step":
+                on_device = g.get("fused") or g.get("capturable")
+                if mode is Mode.RANK0:
+                    v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.step")  # type: ignore[index]
+                st[k] = v.detach().to(p.device if on_device else "cpu").clone()
+            elif isinstance(p, DTensor):
+                if isinstance(v, DTensor):
+                    st[k] = v if v.placements == p.placements else v.redistribute(p.device_mesh, p.placements)
+                else:
+                    st[k] = scatter_dtensor(p, v, mode, state, f"{name}.{k}")
+            else:
+                if mode is Mode.RANK0:
+                    v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.{k}")  # type: ignore[index]
+                st[k] = v.detach().to(p.device).clone()
+        new_state[p] = st
+    return new_state
