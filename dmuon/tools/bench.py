@@ -28,6 +28,7 @@ overlap the next step (dmuon's asynchronous HSDP publish), so ``e2e_ms`` is meas
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -322,7 +323,7 @@ def _chart(results: list[Timing], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m dmuon.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(BENCH_PRESETS), default="tiny")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -352,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
                         help="dmuon's coefficient schedule (torch.optim.Muon always uses keller_jordan)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = _parse_args(argv)
     args.batch = args.batch or (2 if args.preset == "tiny" else 4)
     args.seq = args.seq or (32 if args.preset == "tiny" else 512)
     args.e2e_steps = args.steps if args.e2e_steps is None else args.e2e_steps
@@ -388,49 +393,53 @@ def main(argv: list[str] | None = None) -> int:
               f"matrices / {sim['world_size']} = {sim['torch_ns_share_ms']:.1f} ms -> ratio {sim['ratio']:.2f} "
               f"(imbalance {sim['imbalance']:.3f})")
     else:
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        if use_cuda:  # device_id binds the NCCL communicator to this rank's GPU (no guessing at barrier())
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-        mesh = make_mesh(device.type, dist.get_world_size(), args.replicate)
-        out["world_size"] = dist.get_world_size()
-        results = []
-        for i, v in enumerate(variants):
-            _say(f"[{i + 1}/{len(variants)}] {v} ...")
-            results.append(_time_variant(v, args, device, dtype, mesh))
-            import gc
-
-            gc.collect()
-            if use_cuda:
-                torch.cuda.empty_cache()
-        base = next((r for r in results if r.variant == "fsdp_adamw"), results[0])
-        hsdp = (f", HSDP {args.replicate} x {out['world_size'] // args.replicate}, replicate async "
-                f"{args.replicate_async}" if args.replicate > 1 else "")
-        _say(f"\n{args.preset} on {out['world_size']} x {out['device']} ({dtype}, batch {args.batch} x {args.seq}"
-             f"{hsdp}); ratios vs {base.variant}")
-        _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'e2e ms':>8} "
-             f"{'e2e r':>6} {'peak GiB':>8}")
-        for r in results:
-            peak = f"{r.peak_mem_gib:8.2f}" if r.peak_mem_gib is not None else "       -"
-            _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
-                 f"{r.step_ms / base.step_ms:6.2f} {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
-        out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms,
-                               e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
-        if args.out and is_main:
-            os.makedirs(args.out, exist_ok=True)
-            try:
-                _chart(results, os.path.join(args.out, "chart.png"))
-            except ImportError:
-                _say("matplotlib not installed: no chart.png")
-        dist.barrier()
-        dist.destroy_process_group()
+        _run_variants(args, variants, device, dtype, out, is_main)
     if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(out, f, indent=2)
     return 0
+
+
+def _run_variants(args: argparse.Namespace, variants: list[str], device: torch.device, dtype: torch.dtype,
+                  out: dict[str, Any], is_main: bool) -> None:
+    """Time every variant on this process group (started here when not under torchrun); fill ``out``."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if device.type == "cuda":  # device_id binds the NCCL communicator to this rank's GPU (no guessing at barrier())
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    mesh = make_mesh(device.type, dist.get_world_size(), args.replicate)
+    out["world_size"] = dist.get_world_size()
+    results = []
+    for i, v in enumerate(variants):
+        _say(f"[{i + 1}/{len(variants)}] {v} ...")
+        results.append(_time_variant(v, args, device, dtype, mesh))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r for r in results if r.variant == "fsdp_adamw"), results[0])
+    hsdp = (f", HSDP {args.replicate} x {out['world_size'] // args.replicate}, replicate async "
+            f"{args.replicate_async}" if args.replicate > 1 else "")
+    _say(f"\n{args.preset} on {out['world_size']} x {out['device']} ({dtype}, batch {args.batch} x {args.seq}"
+         f"{hsdp}); ratios vs {base.variant}")
+    _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'e2e ms':>8} "
+         f"{'e2e r':>6} {'peak GiB':>8}")
+    for r in results:
+        peak = f"{r.peak_mem_gib:8.2f}" if r.peak_mem_gib is not None else "       -"
+        _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
+             f"{r.step_ms / base.step_ms:6.2f} {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
+    out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms,
+                           e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
+    if args.out and is_main:
+        os.makedirs(args.out, exist_ok=True)
+        try:
+            _chart(results, os.path.join(args.out, "chart.png"))
+        except ImportError:
+            _say("matplotlib not installed: no chart.png")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

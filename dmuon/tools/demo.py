@@ -148,6 +148,61 @@ def _print_comm(rank: int, counts: dict[str, dict[str, int]], dedicated_elements
         _say(rank, f"  {kind:<28}  {c['calls']:>5}  {c['elements']:>10,}  {c['elements'] / dedicated_elements:>5.2f}")
 
 
+def _train_both(rank: int, s: DemoSettings, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                run_a: tuple[Any, Any], run_b: tuple[Any, Any], device: torch.device
+                ) -> tuple[list[float], list[float], dict[str, dict[str, int]]]:
+    """Step (a) dmuon and (b) the baseline on the same batches; the loss curves (mean over ranks) and
+    dmuon's traffic in one steady step."""
+    import torch.distributed as dist
+
+    import dmuon
+
+    (model_a, opt_a), (model_b, opt_b) = run_a, run_b
+    lo, hi = rank * s.batch_per_rank, (rank + 1) * s.batch_per_rank
+    measured_step = min(1, s.steps - 1)  # step 0 may do one-off work; measure a steady one
+    comm: dict[str, dict[str, int]] = {}
+    curve_a: list[float] = []
+    curve_b: list[float] = []
+    interactive = sys.stdout.isatty()
+    t0 = time.perf_counter()
+    for step, (tok, tgt) in enumerate(batches):
+        tok, tgt = tok[lo:hi].to(device), tgt[lo:hi].to(device)
+        if step == measured_step:
+            dmuon.diagnostics.reset_comm_counts(model_a)
+        opt_a.zero_grad()
+        loss_a = model_a(tok, tgt).loss
+        loss_a.backward()
+        opt_a.step()
+        if step == measured_step:
+            comm = dmuon.diagnostics.comm_counts(model_a)
+
+        opt_b.zero_grad()
+        loss_b = model_b(tok, tgt).loss
+        loss_b.backward()
+        opt_b.step()
+
+        logged = torch.stack([loss_a.detach(), loss_b.detach()])
+        dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+        la, lb = logged.tolist()
+        curve_a.append(la)
+        curve_b.append(lb)
+        # Redraw every step on a terminal; in a captured log every 5th step is plenty.
+        if interactive or (step + 1) % 5 == 0 or step + 1 == s.steps:
+            rate = (step + 1) / max(time.perf_counter() - t0, 1e-9)
+            _say(rank, _progress_line(step + 1, s.steps, (la, lb), rate), end="")
+    _say(rank, f"\n  {s.steps} steps of both runs in {time.perf_counter() - t0:.1f} s")
+    return curve_a, curve_b, comm
+
+
+def _print_losses(rank: int, s: DemoSettings, task: MarkovTask, curve_a: list[float], curve_b: list[float]) -> None:
+    _say(rank, f"\nLoss (global mean over ranks; floor {task.entropy:.3f}):")
+    _say(rank, f"  {'step':>5}  {'dmuon':>8}  {'AdamW':>8}")
+    every = 5
+    shown = sorted({0, *range(every - 1, s.steps, every), s.steps - 1})
+    for i in shown:
+        _say(rank, f"  {i + 1:>5}  {curve_a[i]:>8.4f}  {curve_b[i]:>8.4f}")
+
+
 def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -173,7 +228,6 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
         task = MarkovTask(s.vocab_size, s.seed)
         data_gen = torch.Generator().manual_seed(s.seed + 1)
         batches = [task.batch(s.global_batch, s.seq_len, data_gen) for _ in range(s.steps)]
-        lo, hi = rank * s.batch_per_rank, (rank + 1) * s.batch_per_rank
 
         # (a) dmuon: owners for the projections, FSDP2 for the rest, one optimizer for both.
         model_a = _build_model(s, device)
@@ -197,46 +251,8 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
 
         _say(rank, f"\nTraining (a) dmuon.Muon lr={s.muon_lr} + AdamW lr={s.adamw_lr} and (b) AdamW lr={s.adamw_lr}, "
                    "same init and data:")
-        measured_step = min(1, s.steps - 1)  # step 0 may do one-off work; measure a steady one
-        comm: dict[str, dict[str, int]] = {}
-        curve_a: list[float] = []
-        curve_b: list[float] = []
-        interactive = sys.stdout.isatty()
-        t0 = time.perf_counter()
-        for step, (tok, tgt) in enumerate(batches):
-            tok, tgt = tok[lo:hi].to(device), tgt[lo:hi].to(device)
-            if step == measured_step:
-                dmuon.diagnostics.reset_comm_counts(model_a)
-            opt_a.zero_grad()
-            loss_a = model_a(tok, tgt).loss
-            loss_a.backward()
-            opt_a.step()
-            if step == measured_step:
-                comm = dmuon.diagnostics.comm_counts(model_a)
-
-            opt_b.zero_grad()
-            loss_b = model_b(tok, tgt).loss
-            loss_b.backward()
-            opt_b.step()
-
-            logged = torch.stack([loss_a.detach(), loss_b.detach()])
-            dist.all_reduce(logged, op=dist.ReduceOp.AVG)
-            la, lb = logged.tolist()
-            curve_a.append(la)
-            curve_b.append(lb)
-            # Redraw every step on a terminal; in a captured log every 5th step is plenty.
-            if interactive or (step + 1) % 5 == 0 or step + 1 == s.steps:
-                rate = (step + 1) / max(time.perf_counter() - t0, 1e-9)
-                _say(rank, _progress_line(step + 1, s.steps, (la, lb), rate), end="")
-        elapsed = time.perf_counter() - t0
-        _say(rank, f"\n  {s.steps} steps of both runs in {elapsed:.1f} s")
-
-        _say(rank, f"\nLoss (global mean over ranks; floor {task.entropy:.3f}):")
-        _say(rank, f"  {'step':>5}  {'dmuon':>8}  {'AdamW':>8}")
-        every = 5
-        shown = sorted({0, *range(every - 1, s.steps, every), s.steps - 1})
-        for i in shown:
-            _say(rank, f"  {i + 1:>5}  {curve_a[i]:>8.4f}  {curve_b[i]:>8.4f}")
+        curve_a, curve_b, comm = _train_both(rank, s, batches, (model_a, opt_a), (model_b, opt_b), device)
+        _print_losses(rank, s, task, curve_a, curve_b)
         _print_comm(rank, comm, dedicated, s.zero)
         _say(rank, f"\nfinal loss: dmuon {curve_a[-1]:.4f}, AdamW {curve_b[-1]:.4f} (from {curve_a[0]:.4f}; "
                    f"floor {task.entropy:.3f})")
@@ -246,7 +262,7 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
                            "plan": plan.as_dict()}, f)
         dist.barrier()
         # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
-        del model_a, model_b, opt_a, opt_b, loss_a, loss_b
+        del model_a, model_b, opt_a, opt_b
         gc.collect()
     finally:
         dist.destroy_process_group()
