@@ -4,7 +4,6 @@ ranks as a 2 x 1 HSDP grid (no timing assertions: speed is reported as ratios by
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +12,9 @@ import pytest
 import torch
 
 from dmuon.tools import bench
+from tests._asserts import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
 
 
 def _check(out: Path, world: int) -> None:
@@ -40,7 +34,7 @@ def _check(out: Path, world: int) -> None:
 
 def test_tiny_preset_one_process(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
-                           "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+                           "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ratios vs fsdp_adamw" in proc.stdout
     _check(tmp_path, 1)
@@ -51,7 +45,7 @@ def test_tiny_preset_two_ranks_under_torchrun(tmp_path):
                            "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
                            "--ns-backend", "auto", "--ns-coefficients", "polar_express", "--dmuon-wrap", "root",
                            "--replicate", "2", "--replicate-async", "off",
-                           "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+                           "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "HSDP 2 x 1, replicate async off" in proc.stdout
     _check(tmp_path, 2)

@@ -6,30 +6,20 @@ a broken CLI, import path or exit code shows up here and not in a user's termina
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._asserts import ROOT, child_env
+
 TIMEOUT_S = 180
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _env() -> dict[str, str]:
-    """One thread per rank (the ranks share the cores) and the checkout importable without install."""
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    # These are the CPU/gloo runs CI makes; on a GPU machine keep them there too (2 ranks on 1 GPU fail).
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        [sys.executable, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     if proc.returncode != 0:
         raise AssertionError(

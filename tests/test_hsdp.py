@@ -14,12 +14,12 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.runtime.hooks import STATE_ATTR
+from tests._asserts import assert_bitwise, assert_close_to
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate, train_oracle
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS, SAVE_AT = 10, 5
-LOSS_RTOL, WEIGHT_RTOL = 1e-4, 5e-3
 
 
 @dataclass(frozen=True)
@@ -136,41 +136,27 @@ def runs() -> list[dict]:
     return run_distributed(hsdp_job, 4)
 
 
-def _assert_bitwise(a: dict, b: dict, what: str) -> None:
-    assert a["losses"] == b["losses"], what
-    for k in b["weights"]:
-        assert torch.equal(a["weights"][k], b["weights"][k]), f"{what}: {k}"
-
-
-def _assert_close(r: dict, ref_losses: list[float], ref_weights: dict, what: str) -> None:
-    for step, (got, want) in enumerate(zip(r["losses"], ref_losses)):
-        assert abs(got - want) / abs(want) <= LOSS_RTOL, f"{what} step {step}: {got} vs {want}"
-    for k, want in ref_weights.items():
-        rel = ((r["weights"][k] - want).norm() / want.norm()).item()
-        assert rel <= WEIGHT_RTOL, f"{what}: {k} off by {rel:.2e}"
-
-
 def test_async_publish_equals_sync_bitwise(runs):
     for rank, res in enumerate(runs):
-        _assert_bitwise(res["async_z3"], res["sync_z3"], f"rank {rank} async vs sync")
+        assert_bitwise(res["async_z3"], res["sync_z3"], f"rank {rank} async vs sync")
 
 
 def test_z2_equals_z3_and_mesh_forms_agree(runs):
     for rank, res in enumerate(runs):
-        _assert_bitwise(res["async_z2"], res["async_z3"], f"rank {rank} Z2 vs Z3")
-        _assert_bitwise(res["single_mesh"], res["async_z3"], f"rank {rank} 2-D mesh argument")
+        assert_bitwise(res["async_z2"], res["async_z3"], f"rank {rank} Z2 vs Z3")
+        assert_bitwise(res["single_mesh"], res["async_z3"], f"rank {rank} 2-D mesh argument")
 
 
 def test_hsdp_matches_flat_mesh_and_oracle(runs):
     r = runs[0]
-    _assert_close(r["async_z3"], r["flat"]["losses"], r["flat"]["weights"], "HSDP vs 1-D over 4 ranks")
+    assert_close_to(r["async_z3"], r["flat"], "HSDP vs 1-D over 4 ranks")
     oracle = train_oracle(STEPS)
-    _assert_close(r["async_z3"], oracle["losses"], oracle["weights"], "HSDP vs oracle")
+    assert_close_to(r["async_z3"], oracle, "HSDP vs oracle")
 
 
 def test_every_rank_ends_with_identical_weights(runs):
     for rank, res in enumerate(runs[1:], start=1):
-        _assert_bitwise(res["async_z3"], runs[0]["async_z3"], f"rank {rank} vs rank 0")
+        assert_bitwise(res["async_z3"], runs[0]["async_z3"], f"rank {rank} vs rank 0")
 
 
 def test_ns_runs_once_per_matrix_and_only_columns_hold_storage(runs):
@@ -211,7 +197,7 @@ def test_checkpoint_right_after_async_step_has_new_weights_and_restarts_exactly(
 
 def test_no_sync_accumulation_under_hsdp(runs):
     r = runs[0]
-    _assert_close(r["accum"], r["async_z3"]["losses"], r["async_z3"]["weights"], "accumulation under HSDP")
+    assert_close_to(r["accum"], r["async_z3"], "accumulation under HSDP")
 
 
 def test_replicate_mesh_that_is_not_a_grid_is_rejected():

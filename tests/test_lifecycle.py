@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._asserts import assert_bitwise, assert_close_to
 from tests._dist import run_distributed
 from tests._training import RunOptions, train_dmuon, train_oracle
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 6
-LOSS_RTOL = 1e-4
-WEIGHT_RTOL = 5e-3
 
 SCENARIOS = {
     "base_z3": RunOptions(steps=STEPS),
@@ -46,24 +45,10 @@ def oracle() -> dict:
     return train_oracle(STEPS)
 
 
-def _assert_bitwise(a: dict, b: dict, what: str) -> None:
-    assert a["losses"] == b["losses"], f"{what}: losses differ {a['losses']} vs {b['losses']}"
-    for k in b["weights"]:
-        assert torch.equal(a["weights"][k], b["weights"][k]), f"{what}: {k} differs"
-
-
-def _assert_oracle(r: dict, oracle: dict, what: str) -> None:
-    for step, (got, want) in enumerate(zip(r["losses"], oracle["losses"])):
-        assert abs(got - want) / abs(want) <= LOSS_RTOL, f"{what} step {step}: {got} vs {want}"
-    for k, want in oracle["weights"].items():
-        rel = ((r["weights"][k] - want).norm() / want.norm()).item()
-        assert rel <= WEIGHT_RTOL, f"{what}: {k} off by {rel:.2e}"
-
-
 @pytest.mark.parametrize("zero", ["z3", "z2"])
 def test_activation_checkpointing_is_exact(runs, zero):
     for rank, res in enumerate(runs):
-        _assert_bitwise(res[f"checkpoint_{zero}"], res[f"base_{zero}"], f"rank {rank} checkpoint {zero}")
+        assert_bitwise(res[f"checkpoint_{zero}"], res[f"base_{zero}"], f"rank {rank} checkpoint {zero}")
         c, P = res[f"checkpoint_{zero}"]["counts"], res[f"checkpoint_{zero}"]["P"]
         # recomputation inside backward finds the weights already there: no extra traffic
         assert all(x["forward_broadcast"]["elements"] == P for x in c)
@@ -74,14 +59,14 @@ def test_activation_checkpointing_is_exact(runs, zero):
 
 def test_meta_init_then_to_empty_is_exact(runs):
     for rank, res in enumerate(runs):
-        _assert_bitwise(res["meta_init"], res["base_z3"], f"rank {rank} meta init")
+        assert_bitwise(res["meta_init"], res["base_z3"], f"rank {rank} meta init")
         assert all(b == 0 for b in res["meta_init"]["storage_after_step"])
 
 
 @pytest.mark.parametrize("zero", ["z3", "z2"])
 def test_eval_and_no_grad_forwards_change_nothing(runs, zero):
     for rank, res in enumerate(runs):
-        _assert_bitwise(res[f"eval_between_{zero}"], res[f"base_{zero}"], f"rank {rank} eval {zero}")
+        assert_bitwise(res[f"eval_between_{zero}"], res[f"base_{zero}"], f"rank {rank} eval {zero}")
         # after the trailing no_grad forward the copies were freed again
         assert all(b == 0 for b in res[f"eval_between_{zero}"]["storage_after_step"])
 
@@ -89,7 +74,7 @@ def test_eval_and_no_grad_forwards_change_nothing(runs, zero):
 @pytest.mark.parametrize("zero", ["z3", "z2"])
 def test_two_forwards_before_one_backward(runs, oracle, zero):
     r = runs[0][f"two_forwards_{zero}"]
-    _assert_oracle(r, oracle, f"two forwards {zero}")
+    assert_close_to(r, oracle, f"two forwards {zero}")
     P = r["P"]
     for c in r["counts"]:
         assert c["forward_broadcast"]["elements"] == (2 * P if zero == "z3" else P), c
@@ -102,7 +87,7 @@ def test_unused_param_gets_no_update():
     res = run_distributed(_unused_job, 2)
     oracle = train_oracle(STEPS, extra_unused=True)
     r = res[0]
-    _assert_oracle(r, oracle, "unused param")
+    assert_close_to(r, oracle, "unused param")
     name = "layers.1.mlp.unused_proj.weight"
     assert torch.equal(r["weights"][name], oracle["weights"][name])
     before = train_oracle(0, extra_unused=True)["weights"][name]
@@ -119,19 +104,19 @@ def _unused_job(rank: int, world: int) -> dict:
 def test_boundary_returning_a_dataclass(runs, zero):
     # the whole model as one boundary: its output is a CausalLMOutput dataclass, not a tensor
     for rank, res in enumerate(runs):
-        _assert_bitwise(res[f"root_boundary_{zero}"], res[f"base_{zero}"], f"rank {rank} root boundary {zero}")
+        assert_bitwise(res[f"root_boundary_{zero}"], res[f"base_{zero}"], f"rank {rank} root boundary {zero}")
         c = res[f"root_boundary_{zero}"]["counts"]
         assert all(x["forward_broadcast"]["calls"] == 2 for x in c), c  # one bucket per owner
 
 
 def test_model_without_fully_shard(runs, oracle):
     r = runs[0]["no_fsdp"]
-    _assert_oracle(r, oracle, "no fully_shard")
+    assert_close_to(r, oracle, "no fully_shard")
     # the plain params (embeddings, norms, head) are averaged by dmuon once per backward
     assert all(c["replicated_grad_all_reduce"]["calls"] >= 1 for c in r["counts"])
     assert all(c["fsdp_all_gather_elements"] == 0 for c in r["counts"])
     for res in runs[1:]:
-        _assert_bitwise(res["no_fsdp"], r, "no fully_shard ranks agree")
+        assert_bitwise(res["no_fsdp"], r, "no fully_shard ranks agree")
 
 
 def _single_rank_job(rank: int, world: int) -> dict:
@@ -142,7 +127,7 @@ def _single_rank_job(rank: int, world: int) -> dict:
 def test_world_size_one_is_bitwise_torch(oracle):
     (res,) = run_distributed(_single_rank_job, 1)
     for name in ("fsdp", "plain"):
-        _assert_bitwise(res[name], oracle, f"world 1 {name}")
+        assert_bitwise(res[name], oracle, f"world 1 {name}")
 
 
 def dropped_model_job(rank: int, world: int) -> dict:

@@ -4,21 +4,19 @@ strict mode names a weight left outside every boundary, and the example runs und
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from examples.multimodal_boundaries import DecoderLayer, VisionBlock, batches, build, predicate
+from tests._asserts import ROOT, assert_losses_close, child_env
 from tests._dist import run_distributed
 
 STEPS = 8
 KJ = (3.4445, -4.7750, 2.0315)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _oracle() -> list[float]:
@@ -74,16 +72,13 @@ def vlm_job(rank: int, world: int) -> dict:
 def test_boundaries_parity_and_strict_mode():
     r = run_distributed(vlm_job, 2)[0]
     assert r["groups"] == ["decoder.layers.0", "decoder.layers.1", "merger", "vision.blocks.0", "vision.blocks.1"]
-    for step, (got, want) in enumerate(zip(r["losses"], _oracle())):
-        assert abs(got - want) / abs(want) <= 1e-4, f"step {step}: {got} vs {want}"
+    assert_losses_close(r["losses"], _oracle(), "multimodal boundaries vs oracle")
     assert "'merger.proj.weight'" in r["strict_error"], r["strict_error"]
 
 
 def test_example_runs_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "examples/multimodal_boundaries.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "examples/multimodal_boundaries.py"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "multimodal_boundaries: OK" in proc.stdout, proc.stdout

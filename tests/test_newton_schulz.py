@@ -8,6 +8,8 @@ import re
 import pytest
 import torch
 
+from tests._asserts import rel_err
+
 from dmuon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
@@ -61,9 +63,7 @@ def _scalar_poly(x: torch.Tensor, coefficients: tuple[float, float, float], step
     return x
 
 
-def _rel(A: torch.Tensor, B: torch.Tensor) -> float:
-    A, B = A.double(), B.double()
-    return ((A - B).norm() / B.norm()).item()
+_rel = rel_err
 
 
 def _polar(G: torch.Tensor) -> torch.Tensor:

@@ -10,15 +10,14 @@ measured by ``scripts/gpu_symmetric_kernel.py --ns`` and recorded in docs/benchm
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._asserts import ROOT, child_env
+
 
 _PROBE = r"""
 import json, torch
@@ -48,9 +47,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
