@@ -103,12 +103,27 @@ def misuse_job(rank: int, world: int) -> dict:
     attempt("bad_momentum", m, lambda: dmuon.Muon(m, momentum=1.5))
     attempt("bad_ns_steps", m, lambda: dmuon.Muon(m, ns_steps=-1))
     attempt("muon_takes_model", m, lambda: dmuon.Muon(list(m.parameters())))
+    # torch.optim.Muon's 4th positional argument is weight_decay; dmuon's used to be nesterov
+    attempt("muon_positional_after_lr", m, lambda: dmuon.Muon(m, 0.02, 0.95, 0.1))
     opt = dmuon.Muon(m)
     attempt("add_param_group", m, lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]}))
     tok = torch.randint(0, 128, (2, 8))
     m(tok, tok).loss.backward()
     opt.step()
     out["still_trains"] = ("ok", "", all(torch.isfinite(p).all() for p in dmuon.get_owned_params(m).values()))
+    # zero_grad between backward and step discards the gradients, the reduces still in flight included
+    # (torch: step() then has no gradient to apply and leaves every parameter as it is)
+    before = {n: p.detach().clone() for n, p in m.named_parameters() if p.untyped_storage().nbytes()}
+    m(tok, tok).loss.backward()
+    opt.zero_grad()
+    opt.step()
+    after = {n: p.detach() for n, p in m.named_parameters() if p.untyped_storage().nbytes()}
+    out["zero_grad_discards"] = ("ok", repr(sorted(before)), all(torch.equal(before[n], after[n]) for n in before))
+
+    # ranks that disagree on a setting fail together at dedicate_params instead of hanging later
+    m2 = build_model()
+    attempt("settings_differ_per_rank", m2,
+            lambda: dmuon.dedicate_params(m2, mesh, proj, reshard_after_forward=rank == 0))
 
     # hook boundaries
     mm = Multimodal()
@@ -148,6 +163,8 @@ def results() -> dict:
         ("bad_momentum", "ValueError", "1.5"),
         ("bad_ns_steps", "ValueError", "-1"),
         ("muon_takes_model", "TypeError", "list"),
+        ("muon_positional_after_lr", "TypeError", "everything else by keyword"),
+        ("settings_differ_per_rank", "RuntimeError", "different owner plans or settings"),
         ("add_param_group", "TypeError", "add_param_group"),
         ("strict_multimodal_head", "ValueError", "'head.weight'"),
     ],
@@ -166,6 +183,12 @@ def test_strict_boundary_message_names_a_param(results):
 
 def test_model_still_trains_after_rejected_calls(results):
     assert results["still_trains"][2]
+
+
+def test_zero_grad_before_step_discards_every_gradient(results):
+    _, names, unchanged = results["zero_grad_discards"]
+    assert "layers.0.attention.q_proj.weight" in names or "layers.0.attention.k_proj.weight" in names, names
+    assert unchanged, "a gradient reduced after zero_grad() was applied by step()"
 
 
 def test_hook_boundaries(results):

@@ -247,12 +247,12 @@ class DedicatedParam:
 
     def clear(self, *, set_to_none: bool) -> None:
         """``Muon.zero_grad``, after ``torch.optim.Optimizer.zero_grad`` cleared (or zeroed) the owner's
-        ``param.grad``: drop local and carried gradients. An in-flight reduce must be finished first.
+        ``param.grad``: drop local and carried gradients (and ``param.grad`` itself with ``set_to_none``). An in-flight reduce must be finished first.
         With ``set_to_none=False`` a delivered average stays REDUCED as zeros, as torch keeps zero grads."""
         self._expect("zero_grad", GradState.EMPTY, GradState.UNSYNCED, GradState.READY, GradState.REDUCED)
         p = self.param
-        if p is not None and not self.is_owner:
-            p.grad = None
+        if p is not None and (set_to_none or not self.is_owner):
+            p.grad = None  # non-owners: a local no_sync gradient, never stepped, dropped either way
         self.local_grad = self.stashed_grad = self.unsynced_grad = None
         if set_to_none or self.main_grad is None:
             self.main_grad = None
