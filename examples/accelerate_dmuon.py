@@ -8,7 +8,7 @@ goes through ``accelerator.prepare`` as usual. With ``import dmuon.integrations.
 the model unwrapped (no DDP; autocast / compile as configured), ``accelerator.accumulate`` defers
 gradient traffic with ``dmuon.no_sync``, ``accelerator.clip_grad_norm_(model.parameters(), ...)`` is
 ``dmuon.clip_grad_norm_`` and ``accelerator.save_model`` gathers the full weights for the main process.
-The module docstring of ``dmuon/integrations/hf.py`` lists which Accelerate features apply.
+The package docstring of ``dmuon/integrations/hf/__init__.py`` lists which Accelerate features apply.
 
 Runs on CUDA (NCCL) when available, otherwise CPU (gloo; ``Accelerator(cpu=True)`` makes Accelerate see
 the torchrun ranks). Exits non-zero if the loss did not decrease or the saved weights do not match.

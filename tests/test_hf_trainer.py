@@ -235,19 +235,19 @@ def test_glue_leaves_other_models_alone() -> None:
 def test_unsupported_accelerate_setups_are_refused() -> None:
     from accelerate.utils import DistributedType
 
-    from dmuon.integrations import hf
+    from dmuon.integrations.hf.accelerator import _check_accelerator
 
     def acc(**kw: Any) -> Any:
         base = dict(distributed_type=DistributedType.MULTI_CPU, parallelism_config=None, mixed_precision="no",
                     num_processes=1)
         return types.SimpleNamespace(**{**base, **kw})
 
-    hf._check_accelerator(acc())
-    hf._check_accelerator(acc(mixed_precision="bf16"))
+    _check_accelerator(acc())
+    _check_accelerator(acc(mixed_precision="bf16"))
     with pytest.raises(ValueError, match="already sharded"):
-        hf._check_accelerator(acc(distributed_type=DistributedType.FSDP))
+        _check_accelerator(acc(distributed_type=DistributedType.FSDP))
     with pytest.raises(ValueError, match="fp16"):
-        hf._check_accelerator(acc(mixed_precision="fp16"))
+        _check_accelerator(acc(mixed_precision="fp16"))
 
 
 def test_trainer_recipe_trains_and_saves(tmp_path: Path) -> None:

@@ -1,0 +1,160 @@
+"""The ``Trainer`` methods of a dmuon model (shared by ``DMuonTrainer`` and the patched ``Trainer``).
+
+Each ``_t_<name>`` stands in for ``Trainer.<name>``; ``_TRAINER_IMPLS`` maps the names to them, and
+``dmuon.integrations.hf.install`` patches them in, keeping the originals in ``_TRAINER_ORIGINALS``. The
+package docstring says what each one changes and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers import Trainer
+
+from ... import checkpoint as _ckpt
+from ...runtime.hooks import STATE_ATTR
+from ...clip import clip_grad_norm_ as _dmuon_clip_grad_norm_
+from ...optim import Muon
+from ._files import OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights
+from ._model import dmuon_model_of
+from ._ranks import _barrier, _from_rank0, _rank0_only
+
+logger = logging.getLogger("dmuon")
+
+#: ``Trainer``'s own methods, filled by ``install()``; ``_t_save_guard`` calls the original ``_save``.
+_TRAINER_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def _base_optimizer(optimizer: Any) -> Any:
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _muon_of(trainer: Trainer, model: nn.Module) -> Muon:
+    opt = _base_optimizer(trainer.optimizer)
+    if not isinstance(opt, Muon) or opt._dmuon_state is not getattr(model, STATE_ATTR):
+        raise TypeError(
+            "dmuon: a model prepared by dmuon.dedicate_params trains with dmuon.Muon built for it; pass "
+            "Trainer(..., optimizers=(dmuon.Muon(model, ...), None)). "
+            f"Got {type(opt).__name__}."
+        )
+    return opt
+
+
+def _root_for(trainer: Trainer, model: nn.Module | None) -> nn.Module:
+    root = dmuon_model_of(model)
+    root = root if root is not None else dmuon_model_of(trainer.model)
+    assert root is not None, "dispatch only reaches here for dmuon models"
+    return root
+
+
+def _t_move_model_to_device(trainer: Trainer, model: nn.Module, device: torch.device) -> None:
+    logger.debug("dmuon: not moving the model to %s; FSDP2 and dmuon placed its tensors already", device)
+
+
+def _t_create_optimizer(trainer: Trainer, model: nn.Module | None = None) -> torch.optim.Optimizer:
+    if trainer.optimizer is None:
+        raise ValueError(
+            "dmuon: Trainer would build its own optimizer over the dedicated placeholders. Pass "
+            "Trainer(..., optimizers=(dmuon.Muon(model, lr=..., adamw_lr=...), None))."
+        )
+    root = _root_for(trainer, None)
+    _muon_of(trainer, root)
+    return trainer.optimizer
+
+
+def _t_clip_grad_norm(trainer: Trainer, model: nn.Module) -> torch.Tensor:
+    root = _root_for(trainer, model)
+    return _dmuon_clip_grad_norm_(root, trainer.args.max_grad_norm)
+
+
+def _t_get_grad_norm(trainer: Trainer, model: nn.Module, grad_norm: Any = None) -> Any:
+    if grad_norm is None:  # max_grad_norm <= 0: the norm only (a factor of exactly 1 changes nothing)
+        grad_norm = _dmuon_clip_grad_norm_(_root_for(trainer, model), math.inf)
+    return grad_norm
+
+
+def _t_save_model(trainer: Trainer, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+    root = _root_for(trainer, None)
+    sd = _ckpt.get_model_state_dict(root, rank0_only=not trainer.args.save_on_each_node)  # collective
+    if trainer.args.should_save:
+        trainer._save(output_dir, state_dict=sd)
+    _barrier()  # the files are complete before any rank reads them (best model, resume in-process)
+    if trainer.args.push_to_hub and not _internal_call:
+        trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
+def _t_save_guard(trainer: Trainer, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    """``Trainer._save`` runs on the writer ranks only, so it cannot gather; refuse rather than crash."""
+    if state_dict is None:
+        raise RuntimeError(
+            "dmuon: Trainer._save without a state dict would read dedicated placeholders and FSDP2 shards "
+            "on one rank. Call trainer.save_model(output_dir) on every rank; it gathers with "
+            "dmuon.get_model_state_dict first."
+        )
+    _TRAINER_ORIGINALS["_save"](trainer, output_dir, state_dict=state_dict)
+
+
+def _t_save_optimizer_and_scheduler(trainer: Trainer, output_dir: str) -> None:
+    root = _root_for(trainer, None)
+    osd = _ckpt.get_optimizer_state_dict(root, _muon_of(trainer, root),
+                                         rank0_only=not trainer.args.save_on_each_node)  # collective
+    if trainer.args.should_save:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(osd, os.path.join(output_dir, OPTIMIZER_NAME))
+        if trainer.lr_scheduler is not None:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+    _barrier()
+
+
+def _t_load_from_checkpoint(trainer: Trainer, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    root = _root_for(trainer, model)
+    logger.info("dmuon: loading model weights from %s", resume_from_checkpoint)
+    sd = _rank0_only(lambda: _fill_tied(root, _read_weights(resume_from_checkpoint)), {})
+    _ckpt.set_model_state_dict(root, sd)  # collective; validates keys/shapes first
+
+
+def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    root = _root_for(trainer, None)
+    opt = _muon_of(trainer, root)
+    opt_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+    sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
+    # Like Trainer: both files or nothing (``save_only_model`` checkpoints have neither).
+    present = _from_rank0(lambda: os.path.isfile(opt_file) and os.path.isfile(sched_file))
+    if not present:
+        return
+    osd = _rank0_only(lambda: torch.load(opt_file, map_location="cpu", weights_only=True), {})
+    _ckpt.set_optimizer_state_dict(root, opt, osd)  # collective; restores each group's lr too
+    sched = _from_rank0(lambda: torch.load(sched_file, map_location="cpu", weights_only=True))
+    if trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(sched)
+
+
+def _t_load_best_model(trainer: Trainer) -> None:
+    logger.info("dmuon: loading the best model from %s", trainer.state.best_model_checkpoint)
+    _t_load_from_checkpoint(trainer, trainer.state.best_model_checkpoint)
+
+
+_TRAINER_IMPLS: dict[str, Callable[..., Any]] = {
+    "_move_model_to_device": _t_move_model_to_device,
+    "create_optimizer": _t_create_optimizer,
+    "_clip_grad_norm": _t_clip_grad_norm,
+    "_get_grad_norm": _t_get_grad_norm,
+    "save_model": _t_save_model,
+    "_save": _t_save_guard,
+    "_save_optimizer_and_scheduler": _t_save_optimizer_and_scheduler,
+    "_load_from_checkpoint": _t_load_from_checkpoint,
+    "_load_optimizer_and_scheduler": _t_load_optimizer_and_scheduler,
+    "_load_best_model": _t_load_best_model,
+}

@@ -1,0 +1,95 @@
+"""dmuon inside torchtitan: dedicated Muon matrices under torchtitan's FSDP2, optimizers and DCP checkpoints.
+
+torchtitan builds the model on the meta device, calls the model's ``parallelize_fn`` (which runs
+``fully_shard``), materialises it with ``to_empty`` + ``init_weights``, and then builds the optimizers,
+LR schedulers and checkpointer from its config. This package supplies one piece per step:
+
+* :func:`dmuon_model_spec` (or :func:`with_dmuon` around any ``parallelize_fn``) runs :func:`dedicate` right
+  before torchtitan's own ``fully_shard``. ``import dmuon`` makes ``fully_shard`` skip the selected matrices.
+* :class:`DMuonOptimizersContainer` builds one :class:`dmuon.Muon` where torchtitan builds its optimizers
+  (``optimizer=DMuonOptimizersContainer.Config(lr=..., adamw_lr=...)``). Its ``state_dict`` is torchtitan's
+  flat ``state.{fqn}.{name}`` / ``param_groups.{fqn}.{key}`` layout, built by
+  :func:`dmuon.get_optimizer_state_dict` (``sharded=True``): each Muon momentum appears only on its owner.
+* :class:`DMuonCheckpointManager` is torchtitan's DCP ``CheckpointManager`` with a model wrapper that
+  saves :func:`dmuon.get_model_state_dict` (``sharded=True``): FSDP2 DTensors plus each dedicated tensor
+  only on its owner, never a non-owner's 0-byte placeholder. After ``dcp.load`` it hands the loaded dict
+  to :func:`dmuon.set_model_state_dict`, which republishes the owners' weights. The model part keeps
+  torchtitan's stock keys (fused QKV saved as ``wq``/``wk``/``wv``), so a model without dmuon loads it.
+* :func:`clip_grad_norm_` is torchtitan's ``clip_grad_norm_`` signature over :func:`dmuon.clip_grad_norm_`
+  (dedicated gradients live on one rank each). Building the container installs it in place of
+  ``torchtitan.distributed.utils.clip_grad_norm_``, which the Trainer calls; for parameter lists without
+  dedicated params it forwards to torchtitan's original unchanged.
+
+Trainer example::
+
+    from torchtitan.models.llama3 import model_registry
+    from dmuon.integrations import torchtitan as dmuon_tt
+
+    config = Trainer.Config(
+        model_spec=dmuon_tt.dmuon_model_spec(model_registry("8B")),
+        optimizer=dmuon_tt.DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=8e-4),
+        checkpoint=dmuon_tt.DMuonCheckpointManager.Config(enable=True, interval=500),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        training=TrainingConfig(disable_cuda_graphs=True, ...),
+        ...
+    )
+
+Scope (each checked with a ``ValueError`` naming the setting):
+
+* data parallelism only: FSDP, or HSDP (``data_parallel_replicate_degree > 1``); no TP, CP, PP or EP,
+  since dmuon's mesh must cover every rank;
+* ``parallelism.spmd_backend="partial_dtensor"`` (the ``full_dtensor`` / ``spmd_types`` backends demand
+  that every parameter be a DTensor, including the ones dmuon keeps whole);
+* ``training.mixed_precision_param`` no wider than ``training.dtype`` (dmuon computes a dedicated matrix
+  in its own dtype or a narrower one, never in a wider one: ``dtype="bfloat16"`` needs
+  ``mixed_precision_param="bfloat16"``);
+* ``training.enable_cpu_offload=False`` (FSDP2's offload policy does not cover dedicated params);
+* on CUDA, ``training.disable_cuda_graphs=True`` (dmuon's broadcasts and storage resizes cannot be
+  captured in a CUDA graph);
+* the Hugging Face export/import paths of the checkpointer (``last_save_in_hf``, ``initial_load_in_hf``);
+  use :func:`dmuon.get_model_state_dict` / :func:`dmuon.set_model_state_dict` for full tensors instead.
+
+Tested on CPU/gloo (2-rank FSDP, 2x2 HSDP, selective activation checkpointing, 2-rank FSDP under
+torchtitan's default mixed precision) by driving these pieces with the calls and arguments
+``Trainer.__init__`` / ``train_step`` use; ``Trainer`` itself was not run (on CPU its device-memory monitor
+needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async checkpoint modes, MoE models;
+``dtype="bfloat16"`` training was only run by hand.
+
+The package: ``parallelize.py`` (:func:`dedicate`, :func:`with_dmuon`, :func:`dmuon_model_spec`, the
+trainer settings checked first and [Note: mixed precision]), ``_fused_qkv.py`` ([Note: fused QKV]),
+``optimizer.py`` (:class:`DMuonOptimizersContainer`, :func:`clip_grad_norm_` and [Note: gradient
+scale]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`, :class:`DMuonCheckpointManager`).
+"""
+
+from __future__ import annotations
+
+# The submodules import torchtitan's parts; a missing torchtitan (or triton) fails here, with one message.
+try:
+    from .checkpoint import DMuonCheckpointManager, DMuonModelWrapper
+    from .optimizer import DMuonOptimizersContainer, clip_grad_norm_, dedicated_grad_scale
+    from .parallelize import (
+        Predicate,
+        dedicate,
+        default_predicate,
+        dmuon_model_spec,
+        mixed_precision_dtypes,
+        with_dmuon,
+    )
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "dmuon.integrations.torchtitan needs torchtitan (tested with 0.3.0); install it with "
+        f"`pip install torchtitan triton`. Import failed with: {e}"
+    ) from e
+
+__all__ = [
+    "DMuonCheckpointManager",
+    "DMuonModelWrapper",
+    "DMuonOptimizersContainer",
+    "clip_grad_norm_",
+    "dedicate",
+    "dedicated_grad_scale",
+    "default_predicate",
+    "dmuon_model_spec",
+    "mixed_precision_dtypes",
+    "with_dmuon",
+]

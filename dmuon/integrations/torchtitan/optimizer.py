@@ -1,0 +1,265 @@
+"""dmuon's optimizer in torchtitan: :class:`DMuonOptimizersContainer` (one :class:`dmuon.Muon`), the
+gradient scale it registers and the dmuon-aware :func:`clip_grad_norm_` it installs in torchtitan.
+
+[Note: gradient scale]
+torchtitan divides each rank's summed loss by the *global* token count and switches FSDP2's gradient
+division off (``set_gradient_divide_factor(1.0)``), so FSDP2 *sums* gradients over ranks. dmuon averages
+dedicated gradients over the world, which alone would leave them ``world`` times too small (Muon's
+Newton–Schulz hides most of that, the gradient norm and clipping would not). The container therefore
+registers a hook that multiplies every local dedicated gradient by ``world / divide_factor`` (2 on two
+ranks, 1 when FSDP2 averages) before dmuon's reduce, so each owner ends up with exactly the gradient a
+single process would compute. Under mixed precision the local gradient is in the compute dtype (bf16): the
+product is exact for power-of-two factors and rounded once to bf16 otherwise (e.g. 3 or 24 ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed import utils as tt_dist_utils
+
+import dmuon
+
+from ...runtime.param import is_dedicated
+from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
+from ...optim.update import MuonHParams
+from .parallelize import _MODELS, _adopt
+
+_CLIP_MARK = "__dmuon_wrapped__"
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Gradient scale and clipping                                                                          #
+# --------------------------------------------------------------------------------------------------- #
+def _fsdp_divide_factor(model: nn.Module) -> float | None:
+    """FSDP2's gradient divide factor on this model (``None``: FSDP2's default, the average)."""
+    factors: set[float | None] = set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+        except AttributeError:  # FSDP2 internals moved: assume torchtitan's disable_fsdp_gradient_division
+            return 1.0
+        factors.update(g.gradient_divide_factor for g in groups)
+    if len(factors) > 1:
+        raise ValueError(f"dmuon torchtitan: FSDP2 modules use different gradient divide factors {factors}")
+    return factors.pop() if factors else None
+
+
+def dedicated_grad_scale(model: nn.Module) -> float:
+    """The factor that turns dmuon's averaged dedicated gradients into what FSDP2 gives its own params:
+    ``world / divide_factor`` (torchtitan: ``world``, since it sums), 1.0 when FSDP2 averages."""
+    factor = _fsdp_divide_factor(model)
+    world = dist.get_world_size()
+    return 1.0 if factor is None else world / float(factor)
+
+
+def _scale(factor: float, grad: torch.Tensor) -> torch.Tensor:
+    return grad * factor
+
+
+def _register_grad_scale(model: nn.Module, optimizer: dmuon.Muon) -> list[RemovableHandle]:
+    """Scale local gradients of params dmuon averages (dedicated, and plain replicated ones) so their
+    reduced value matches FSDP2's reduction. See [Note: gradient scale]."""
+    factor = dedicated_grad_scale(model)
+    if factor == 1.0:
+        return []
+    params = list(dmuon.get_dedicated_params(model).values())
+    params += [p for g in optimizer.param_groups if g["kind"] == "adamw_replicated" for p in g["params"]]
+    return [p.register_hook(functools.partial(_scale, factor)) for p in params]
+
+
+def _model_of(params: list[torch.Tensor]) -> nn.Module:
+    """The adopted dmuon model whose parameters are exactly ``params`` (what the Trainer passes)."""
+    ids = {id(p) for p in params}
+    for model in list(_MODELS):
+        if {id(p) for p in model.parameters()} == ids:
+            return model
+    raise ValueError(
+        f"dmuon torchtitan clip_grad_norm_: the {len(params)} parameters include dedicated ones but are not all the "
+        "parameters of one model prepared with dmuon_model_spec / with_dmuon / dedicate; clip the whole model "
+        "(dmuon.clip_grad_norm_(model, max_norm))."
+    )
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    pp_mesh: Any = None,
+    ep_enabled: bool = False,
+) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` signature over :func:`dmuon.clip_grad_norm_`. Collective.
+
+    ``parameters`` must be all the parameters of one dmuon model, as the Trainer passes them. The norm is the
+    global one (dedicated gradients on their owners, FSDP2 shards, plain gradients once), identical on every
+    rank; ``foreach`` is ignored. Pipeline and expert parallelism are refused.
+
+    Example::
+
+        loss.backward()
+        grad_norm = clip_grad_norm_(list(model.parameters()), max_norm=1.0)
+        optimizers.step()
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if pp_mesh is not None or ep_enabled:
+        raise ValueError(
+            f"dmuon torchtitan clip_grad_norm_: pipeline/expert parallelism is not supported (pp_mesh={pp_mesh!r}, "
+            f"ep_enabled={ep_enabled!r})"
+        )
+    return dmuon.clip_grad_norm_(_model_of(params), max_norm, norm_type, error_if_nonfinite)
+
+
+def _install_clip_patch() -> None:
+    """Route ``torchtitan.distributed.utils.clip_grad_norm_`` (what the Trainer calls) to
+    :func:`clip_grad_norm_` for parameter lists with dedicated params. Idempotent."""
+    original = tt_dist_utils.clip_grad_norm_
+    if getattr(original, _CLIP_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def patched(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(is_dedicated(p) for p in params):
+            return clip_grad_norm_(params, *args, **kwargs)
+        return original(params, *args, **kwargs)
+
+    setattr(patched, _CLIP_MARK, True)
+    tt_dist_utils.clip_grad_norm_ = patched
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Optimizers                                                                                           #
+# --------------------------------------------------------------------------------------------------- #
+_MUON = MuonHParams()  # the defaults
+
+
+class DMuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container holding one :class:`dmuon.Muon` (Muon on owned dedicated matrices,
+    AdamW on everything else).
+
+    Build it from its config where torchtitan builds optimizers (``Trainer.Config.optimizer``), or directly
+    with ``DMuonOptimizersContainer.Config(...).build(model_parts=[model])`` after the model is
+    materialised. ``LRSchedulersContainer`` drives every param group's ``lr`` (Muon and AdamW alike).
+    ``implementation`` selects AdamW's kernel (``"fused"``, ``"foreach"``, ``"for-loop"``).
+
+    Example::
+
+        optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=8e-4).build(model_parts=[model])
+        lr_schedulers = LRSchedulersContainer.Config(warmup_steps=10).build(optimizers=optimizers,
+                                                                            training_steps=100)
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        # Muon's fields are MuonHParams' (same names and defaults); torchtitan's config system needs them flat.
+        lr: float = _MUON.lr
+        """Muon learning rate."""
+        momentum: float = _MUON.momentum
+        nesterov: bool = _MUON.nesterov
+        ns_steps: int = _MUON.ns_steps
+        ns_coefficients: tuple[float, float, float] | str = KELLER_JORDAN_COEFFICIENTS
+        """``(a, b, c)``, a per-step list of them, or ``"keller_jordan"`` / ``"polar_express"``."""
+        ns_backend: str = _MUON.ns_backend
+        """``"direct"`` (torch's arithmetic), ``"gram"`` or ``"auto"``; see :func:`dmuon.newton_schulz`."""
+        eps: float = _MUON.eps
+        weight_decay: float = _MUON.weight_decay
+        """Muon's decoupled weight decay."""
+        adjust_lr_fn: str | None = None
+        """``None``/``"original"`` or ``"match_rms_adamw"``, as in ``torch.optim.Muon``."""
+        adamw_lr: float = 8e-4
+        adamw_betas: tuple[float, float] = (0.9, 0.95)
+        adamw_eps: float = 1e-8
+        adamw_weight_decay: float = 0.1
+        replicate_async: bool = True
+        """HSDP: publish updated matrices over the replicate group without waiting inside ``step()``."""
+
+        def __post_init__(self) -> None:
+            if self.param_groups:
+                raise ValueError(
+                    f"DMuonOptimizersContainer.Config: param_groups must be empty (dmuon.Muon builds its groups "
+                    f"from the model), got {self.param_groups!r}"
+                )
+            if self.implementation not in ("fused", "foreach", "for-loop"):
+                raise ValueError(
+                    "DMuonOptimizersContainer.Config: implementation must be 'fused', 'foreach' or 'for-loop', "
+                    f"got {self.implementation!r}"
+                )
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if len(model_parts) != 1:
+            raise ValueError(
+                f"DMuonOptimizersContainer: expected one model part (no pipeline parallelism), got {len(model_parts)}"
+            )
+        model = model_parts[0]
+        muon = dmuon.Muon(
+            model, **{name: getattr(config, name) for name in MuonHParams.names()},
+            adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
+            adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
+            adamw_foreach=config.implementation == "foreach", adamw_fused=config.implementation == "fused",
+            replicate_async=config.replicate_async,
+        )
+        self.model_parts = list(model_parts)
+        self.model = model
+        self.optimizers = [muon]
+        self._grad_scale_hooks = _register_grad_scale(model, muon)
+        _adopt(model)
+        _install_clip_patch()
+        self._post_init([p for g in muon.param_groups for p in g["params"]])
+
+    @property
+    def muon(self) -> dmuon.Muon:
+        return self.optimizers[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's flat layout from dmuon's sharded dict. Collective.
+
+        ``state.{fqn}.{name}``: live tensors (AdamW moments as DTensors, each Muon momentum on its owner
+        only); ``param_groups.{fqn}.{key}``: every group's hyperparameters, for every param FQN.
+        """
+        nested = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True)
+        flat: dict[str, Any] = {}
+        for fqn, entry in nested["state"].items():
+            for name, value in entry.items():
+                flat[f"state.{canonical_fqn(fqn)}.{name}"] = value
+        for group in nested["param_groups"]:
+            for fqn in group["param_names"]:
+                for key, value in group.items():
+                    if key != "param_names":
+                        flat[f"param_groups.{canonical_fqn(fqn)}.{key}"] = value
+        return flat
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Apply a flat dict from :meth:`state_dict` (after ``dcp.load``) through dmuon. Collective.
+
+        Keys this optimizer does not hold (other components of torchtitan's checkpoint) are ignored;
+        ``dmuon.set_optimizer_state_dict`` validates the rest.
+        """
+        template = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True)
+        state = {
+            fqn: {name: state_dict.get(f"state.{canonical_fqn(fqn)}.{name}", value) for name, value in entry.items()}
+            for fqn, entry in template["state"].items()
+        }
+        groups = []
+        for group in template["param_groups"]:
+            names = group["param_names"]
+            loaded = dict(group)
+            if names:
+                prefix = f"param_groups.{canonical_fqn(names[0])}."
+                loaded.update({k: state_dict[prefix + k] for k in group
+                               if k != "param_names" and prefix + k in state_dict})
+            groups.append(loaded)
+        dmuon.set_optimizer_state_dict(self.model, self.muon, {"state": state, "param_groups": groups})

@@ -1,0 +1,258 @@
+"""dmuon in torchtitan's ``parallelize_fn`` step: which matrices to dedicate, :func:`dedicate` on torchtitan's
+meshes, :func:`with_dmuon` / :func:`dmuon_model_spec` that run it before ``fully_shard``, the trainer
+settings they check first, and the mixed-precision dtypes they hand to dmuon.
+
+[Note: mixed precision]
+torchtitan's parallelize functions always give FSDP2 ``MixedPrecisionPolicy(param_dtype=
+training.mixed_precision_param, reduce_dtype=training.mixed_precision_reduce)``, at every data-parallel
+degree (the autocast path ``TrainingConfig``'s docstring mentions does not exist in torchtitan 0.3.0).
+FSDP2 casts only the parameters it manages, so :func:`with_dmuon` hands the same settings to
+:func:`dedicate` as dmuon's ``param_dtype`` / ``reduce_dtype`` (:func:`mixed_precision_dtypes`). With
+torchtitan's defaults (an fp32 model, ``"bfloat16"`` / ``"float32"``) the dedicated matrices compute and
+travel in bf16, their owners keep the fp32 values that Muon updates and checkpoints hold, and their
+gradients are reduced and kept in fp32, as FSDP2 does for its own parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.config import TORCH_DTYPE_MAP, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+from torchtitan.protocols.model_spec import ModelSpec
+
+import dmuon
+
+from ...runtime.precision import is_wider
+from ...partition import OwnerPlan
+from ._fused_qkv import _unhook_fused_qkv
+
+Predicate = Callable[[str, nn.Parameter], bool]
+
+#: Matrices of torchtitan's dense decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and
+#: ``wo``) and the dense feed-forward (``w1``/``w2``/``w3``).
+_BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward)\.(?:.+\.)?weight$")
+
+#: Models prepared through this package, so :func:`clip_grad_norm_` can find the model of a parameter list.
+_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def default_predicate(fqn: str, param: nn.Parameter) -> bool:
+    """The 2-D weights of every decoder block's attention and dense feed-forward.
+
+    Embeddings, ``lm_head``, norms, MoE routers and (3-D) experts stay on AdamW, as Muon intends. ``fqn`` is
+    compared in torchtitan's canonical form (activation-checkpoint wrapper segments removed).
+    """
+    return param.ndim == 2 and _BLOCK_MATRIX.match(canonical_fqn(fqn)) is not None
+
+
+def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
+    if not isinstance(parallel_dims, ParallelDims):
+        raise TypeError(f"dmuon torchtitan: expected torchtitan's ParallelDims, got {type(parallel_dims).__name__}")
+    others = {
+        "tensor_parallel_degree": parallel_dims.tp,
+        "context_parallel_degree": parallel_dims.cp,
+        "pipeline_parallel_degree": parallel_dims.pp,
+        "expert_parallel_degree": parallel_dims.ep,
+    }
+    unsupported = {k: v for k, v in others.items() if v != 1}
+    if unsupported:
+        raise ValueError(
+            f"dmuon torchtitan: only data parallelism (FSDP / HSDP) is supported, got {unsupported}; dmuon's mesh "
+            "must cover every rank."
+        )
+    if parallel_dims.spmd_backend != "partial_dtensor":
+        raise ValueError(
+            f"dmuon torchtitan: parallelism.spmd_backend must be 'partial_dtensor', got "
+            f"{parallel_dims.spmd_backend!r}; the other backends require every parameter to be a DTensor, "
+            "dedicated ones included."
+        )
+
+
+def dedicate(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    predicate: Predicate | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> OwnerPlan:
+    """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``.
+
+    The shard mesh is ``parallel_dims``' ``"fsdp"`` mesh; with ``data_parallel_replicate_degree > 1`` the
+    ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). ``predicate(fqn, param)`` defaults to
+    :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
+    ``reshard_after_forward``, ``prefetch``, ``param_dtype`` and ``reduce_dtype`` are
+    :func:`dmuon.dedicate_params`'s. The dtypes must match the ``MixedPrecisionPolicy`` torchtitan gives
+    FSDP2, or the first forward meets bf16 activations with fp32 weights: take them from
+    :func:`mixed_precision_dtypes` (:func:`with_dmuon` does).
+
+    Example::
+
+        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
+                                     world_size=world, spmd_backend="partial_dtensor")
+        param_dtype, reduce_dtype = dmuon_tt.mixed_precision_dtypes(training)
+        dmuon_tt.dedicate(model, parallel_dims, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, ...)
+    """
+    _check_parallel_dims(parallel_dims)
+    shard = parallel_dims.get_mesh("fsdp")
+    replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+    plan = dmuon.dedicate_params(
+        model, shard, predicate if predicate is not None else default_predicate,
+        replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    )
+    _adopt(model)
+    return plan
+
+
+def _adopt(model: nn.Module) -> None:
+    """Make a dmuon-prepared torchtitan model safe for this package's state dicts and clipping (idempotent)."""
+    _unhook_fused_qkv(model)
+    _MODELS.add(model)
+
+
+def _config_dtype(training: TrainingConfig, setting: str) -> torch.dtype:
+    """``TORCH_DTYPE_MAP[training.<setting>]``, or a ValueError naming the setting."""
+    name = getattr(training, setting)
+    if name not in TORCH_DTYPE_MAP:
+        raise ValueError(f"dmuon torchtitan: training.{setting}={name!r} is not one of {sorted(TORCH_DTYPE_MAP)}")
+    return TORCH_DTYPE_MAP[name]
+
+
+def mixed_precision_dtypes(training: TrainingConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """dmuon's ``(param_dtype, reduce_dtype)`` for torchtitan's ``training`` settings: the dedicated params'
+    half of the ``MixedPrecisionPolicy`` torchtitan gives FSDP2. See [Note: mixed precision].
+
+    Mirrors FSDP2's own clamping: ``param_dtype`` is ``None`` when ``mixed_precision_param`` is the model's
+    dtype (``training.dtype``), ``reduce_dtype`` is ``None`` when ``mixed_precision_reduce`` is the compute
+    dtype. torchtitan's defaults (``dtype="float32"``, ``"bfloat16"`` / ``"float32"``) give
+    ``(torch.bfloat16, torch.float32)``; ``dtype="bfloat16"`` gives ``(None, torch.float32)`` (bf16 weights,
+    gradients averaged in fp32). Raises ``ValueError`` for a ``mixed_precision_param`` wider than
+    ``training.dtype`` (FSDP2 would compute bf16 weights in fp32; dmuon computes a dedicated matrix in at
+    most its own precision).
+
+    Example::
+
+        mixed_precision_dtypes(TrainingConfig())  # (torch.bfloat16, torch.float32)
+    """
+    model = _config_dtype(training, "dtype")
+    param = _config_dtype(training, "mixed_precision_param")
+    reduce = _config_dtype(training, "mixed_precision_reduce")
+    if is_wider(param, model):
+        raise ValueError(
+            f"dmuon torchtitan: training.mixed_precision_param={training.mixed_precision_param!r} is wider than "
+            f"training.dtype={training.dtype!r}; dmuon cannot compute dedicated {training.dtype} matrices in "
+            f"{training.mixed_precision_param}. Set mixed_precision_param={training.dtype!r}, or train in "
+            f"dtype={training.mixed_precision_param!r}."
+        )
+    return (None if param == model else param), (None if reduce == param else reduce)
+
+
+def _check_trainer_options(kwargs: dict[str, Any]) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Reject trainer settings dmuon cannot honour, before anything is sharded; return the dedicated params'
+    ``(param_dtype, reduce_dtype)`` (:func:`mixed_precision_dtypes`)."""
+    training = kwargs.get("training")
+    dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)
+    if training is not None:
+        dtypes = mixed_precision_dtypes(training)
+        if training.enable_cpu_offload:
+            raise ValueError(
+                "dmuon torchtitan: training.enable_cpu_offload=True is not supported; FSDP2 would offload only the "
+                "parameters it manages, and torchtitan would then build the dedicated ones on the CPU."
+            )
+        if not training.disable_cuda_graphs and torch.cuda.is_available():
+            raise ValueError(
+                "dmuon torchtitan: training.disable_cuda_graphs=False; dmuon's per-layer broadcasts cannot be "
+                "captured in a CUDA graph. Set training.disable_cuda_graphs=True."
+            )
+    parallelism = kwargs.get("parallelism")
+    if parallelism is not None and parallelism.spmd_backend != "partial_dtensor":
+        raise ValueError(
+            f"dmuon torchtitan: parallelism.spmd_backend must be 'partial_dtensor', got {parallelism.spmd_backend!r}"
+        )
+    return dtypes
+
+
+def _sum_reductions_on_gloo(model: nn.Module) -> None:
+    """gloo has no PREMUL_SUM, which FSDP2 picks for torchtitan's divide factor 1.0: reduce with SUM."""
+    if dist.get_backend() != "gloo":
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def with_dmuon(
+    parallelize_fn: Callable[..., nn.Module],
+    predicate: Predicate | None = None,
+    *,
+    reshard_after_forward: bool | None = None,
+) -> Callable[..., nn.Module]:
+    """Wrap a torchtitan ``parallelize_fn`` so it dedicates matrices first, then shards the rest.
+
+    ``reshard_after_forward=None`` follows ``parallelism.fsdp_reshard_after_forward`` (``"never"`` keeps the
+    broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). The dedicated
+    params get ``training``'s mixed precision (:func:`mixed_precision_dtypes`), as FSDP2's do. On gloo the
+    wrapper also makes FSDP2 reduce with SUM (gloo lacks the PREMUL_SUM op FSDP2 would use).
+
+    Example::
+
+        model = with_dmuon(parallelize_llama)(model, parallel_dims=parallel_dims, training=training,
+                                              parallelism=parallelism, compile_config=CompileConfig(),
+                                              ac_config=None, dump_folder="out")
+    """
+    if not callable(parallelize_fn):
+        raise ValueError(f"dmuon torchtitan: parallelize_fn must be callable, got {parallelize_fn!r}")
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
+        param_dtype, reduce_dtype = _check_trainer_options(kwargs)
+        raf = reshard_after_forward
+        if raf is None:
+            parallelism = kwargs.get("parallelism")
+            policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
+            raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
+        dedicate(model, parallel_dims, predicate, reshard_after_forward=raf, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype)
+        model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        _sum_reductions_on_gloo(model)
+        return model
+
+    return parallelize
+
+
+def dmuon_model_spec(
+    spec: ModelSpec, predicate: Predicate | None = None, *, reshard_after_forward: bool | None = None
+) -> ModelSpec:
+    """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`).
+
+    Pipelining is dropped from the copy (dmuon needs one mesh over every rank), so a Trainer with
+    ``pipeline_parallel_degree > 1`` refuses the spec instead of mis-training.
+
+    Example::
+
+        config.model_spec = dmuon_model_spec(model_registry("debugmodel"))
+    """
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"dmuon torchtitan: expected a torchtitan ModelSpec, got {spec!r}")
+    return dataclasses.replace(
+        spec,
+        parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward),
+        pipelining_fn=None,
+    )
+
