@@ -7,6 +7,8 @@ A *run* is what a job returns and the oracle: ``{"losses": [float per step], "we
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -63,3 +65,20 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+def run_script(args: list[str], *, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` from the checkout root in :func:`child_env`; a failure is an ``AssertionError`` with
+    both output streams (the tail of stderr), so a crash in the child is a failing test, not a dead suite."""
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n"
+                             f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS``, as a user launches an example."""
+    return run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args],
+                      timeout=timeout)

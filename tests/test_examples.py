@@ -8,24 +8,16 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-from tests._asserts import ROOT, child_env
+from tests._asserts import run_script
 
 TIMEOUT_S = 180
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(args)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-        )
-    return proc
+    return run_script(args, timeout=TIMEOUT_S)
 
 
 def test_custom_loop_recipe_runs_under_torchrun() -> None:

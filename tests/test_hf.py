@@ -4,11 +4,7 @@ rank ends with identical weights, bf16 models train, and the example script runs
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,13 +12,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from examples.hf_dmuon import PROJECTIONS, dataloader, tiny_config  # noqa: E402
+from tests._asserts import torchrun  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
 STEPS = 10
 KJ = (3.4445, -4.7750, 2.0315)
 HP = dict(lr=0.005, weight_decay=0.01)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _is_proj(name: str, p: torch.nn.Parameter) -> bool:
@@ -112,10 +108,5 @@ def test_bf16_model_trains():
 
 
 def test_example_script_runs_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "examples/hf_dmuon.py", "--arch", "qwen2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = torchrun("examples/hf_dmuon.py", "--arch", "qwen2")
     assert re.search(r"hf_dmuon \(qwen2\): OK loss", proc.stdout), proc.stdout

@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -32,9 +30,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
+from tests._asserts import torchrun  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
 WORLD = 2
 VOCAB, SEQ = 64, 16
@@ -201,17 +199,7 @@ def _trainer_jobs(rank: int, world: int, outdir: str) -> dict[str, Any]:
 # Subprocess helpers (the examples, as a user runs them)                                               #
 # --------------------------------------------------------------------------------------------------- #
 def _torchrun(script: str, *args: str) -> str:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD), script, *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n"
-                             f"{proc.stderr[-6000:]}")
-    return proc.stdout
+    return torchrun(script, *args, nproc=WORLD, timeout=TIMEOUT_S).stdout
 
 
 # --------------------------------------------------------------------------------------------------- #

@@ -4,15 +4,13 @@ strict mode names a weight left outside every boundary, and the example runs und
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from examples.multimodal_boundaries import DecoderLayer, VisionBlock, batches, build, predicate
-from tests._asserts import ROOT, assert_losses_close, child_env
+from tests._asserts import assert_losses_close, torchrun
 from tests._dist import run_distributed
 
 STEPS = 8
@@ -77,8 +75,5 @@ def test_boundaries_parity_and_strict_mode():
 
 
 def test_example_runs_under_torchrun():
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "examples/multimodal_boundaries.py"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = torchrun("examples/multimodal_boundaries.py")
     assert "multimodal_boundaries: OK" in proc.stdout, proc.stdout

@@ -23,6 +23,7 @@ pytest.importorskip("torchtitan.models.llama3")
 import torch.distributed as dist  # noqa: E402
 
 import dmuon  # noqa: E402
+from tests._asserts import torchrun  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 
 WORLD = 2
@@ -507,15 +508,5 @@ def test_checkpoint_holds_each_dedicated_tensor_once_from_its_owner(runs: dict[s
 
 
 def test_example_script_runs_under_torchrun() -> None:
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "examples/torchtitan_dmuon.py", "--steps", "4"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = torchrun("examples/torchtitan_dmuon.py", "--steps", "4", timeout=300)
     assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout

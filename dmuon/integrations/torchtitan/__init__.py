@@ -68,7 +68,7 @@ try:
     from .checkpoint import DMuonCheckpointManager, DMuonModelWrapper
     from .optimizer import DMuonOptimizersContainer, clip_grad_norm_, dedicated_grad_scale
     from .parallelize import (
-        Predicate,
+        Predicate,  # noqa: F401  (the predicate type alias, importable from here as before)
         dedicate,
         default_predicate,
         dmuon_model_spec,
