@@ -10,7 +10,7 @@ weights after 10 steps, as much as separates training with and without masters. 
 here is the textbook data-parallel mixed-precision loop written out on one process: the same per-rank
 batch halves, each rank's bf16 gradient taken to fp32 (summed there over micro-batches), averaged as
 ``(g0 + g1) / 2`` in fp32, ``torch.optim.Muon`` stepping fp32 copies that are rounded back into the bf16
-model, ``torch.optim.AdamW`` on the other params. Nothing in it comes from dmuon.
+model, ``torch.optim.AdamW`` on the other params, on the ranks' thread count. Nothing in it comes from dmuon.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import dmuon
 from dmuon._state import STATE_ATTR
 from dmuon.models import TinyLlama
-from tests._dist import run_distributed
+from tests._dist import rank_threads, run_distributed
 from tests._training import CFG, GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -58,6 +58,7 @@ class MP:
 # --------------------------------------------------------------------------------------------------- #
 # Oracle: one process, written from the definition (see the module note)                              #
 # --------------------------------------------------------------------------------------------------- #
+@rank_threads()
 def oracle(opts: MP, world: int = WORLD) -> dict:
     torch.manual_seed(0)
     compute = build_model().to(BF16)  # what every forward runs on
