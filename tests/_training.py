@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.models import TinyLlama, TinyLlamaConfig, projection_predicate
-from tests._dist import DEVICE_TYPE, device
+from tests._dist import DEVICE_TYPE, device, rank_threads
 
 # [Note: test scale] bf16 rounding inside Newton-Schulz amplifies the last-bit differences that any
 # split of the batch causes (fp32 sums in another order). For this configuration the oracle itself,
@@ -66,6 +66,7 @@ def add_unused_proj(model: TinyLlama) -> None:
     model.layers[1].mlp.unused_proj = extra
 
 
+@rank_threads()  # its bits must be the ranks' (test_lifecycle compares a 1-rank run exactly)
 def train_oracle(steps: int, hp: HParams = HParams(), extra_unused: bool = False) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""
     torch.manual_seed(0)
