@@ -88,8 +88,11 @@ def fp32_norm_rtol(grads: list[torch.Tensor], world: int) -> float:
     the whole gradient (a shard is shorter). Then the root and the square of each norm (3), at most
     len(grads) additions on a rank and world - 1 in the all-reduce. The root halves the relative error
     e of the sum (sqrt(1 - e) >= 1 - e/2 - e^2/2) and rounds once more. The error is only dmuon's: the
-    reference is _exact_norm. For the test model this is ~6e-5 (dmuon measured 4.5e-7 from the exact
-    norm at step 0); dropping its smallest dedicated gradient would move the norm by 4e-4."""
+    reference is _exact_norm. For the test model this is ~6.4e-5 (dmuon measured 4.5e-7..7.3e-7 from the
+    exact norm, the same with oneDNN and ATen capped by ONEDNN_MAX_CPU_ISA=AVX512_CORE / AVX2 and
+    ATEN_CPU_CAPABILITY=avx2 / default); dropping its smallest dedicated gradient would move the norm by
+    4e-4. A constant 32768-vector, the worst input for one accumulator, errs by 1.2e-5 in vector_norm
+    against the 1.2e-4 this gives it, with ATen's AVX512, AVX2 and DEFAULT kernels alike."""
     squares = [g.double().square().sum().item() for g in grads]
     depth = 16 + 3 + len(grads) + world - 1
     e = sum(s * ((1 + U32) ** (-(-g.numel() // 8) + depth) - 1) for g, s in zip(grads, squares)) / sum(squares)
