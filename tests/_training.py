@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
 from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
-from tests._dist import DEVICE_TYPE, device
+from tests._dist import DEVICE_TYPE, device, rank_threads
 
 # [Note: test scale] bf16 rounding inside Newton-Schulz amplifies the last-bit differences that any
 # split of the batch causes (fp32 sums in another order). For this configuration the oracle itself,
@@ -63,6 +63,7 @@ def add_unused_proj(model: TinyLlama) -> None:
     model.layers[1].mlp.unused_proj = extra
 
 
+@rank_threads()  # its bits must be the ranks' (test_lifecycle compares a 1-rank run exactly)
 def train_oracle(steps: int, hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP,
                  extra_unused: bool = False) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""

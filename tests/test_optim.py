@@ -8,7 +8,7 @@ import torch
 
 import dmuon
 from dmuon.optim import AdjustLR, MuonHParams, adjusted_lr, muon_update_
-from tests._dist import run_distributed
+from tests._dist import rank_threads, run_distributed
 from tests._training import KJ, batches, build_model, projection_predicate
 
 
@@ -54,6 +54,7 @@ def _schedule(step: int) -> float:
     return 1.0 / (1 + step)
 
 
+@rank_threads()  # compared with a 1-rank run bit for bit
 def _oracle() -> list[float]:
     model = build_model()
     muon = [p for n, p in model.named_parameters() if projection_predicate(n, p)]

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 import dmuon  # noqa: E402
 from tests._asserts import torchrun  # noqa: E402
-from tests._dist import run_distributed  # noqa: E402
+from tests._dist import rank_threads, run_distributed  # noqa: E402
 
 WORLD = 2
 STEPS, SAVE_AT = 6, 3
@@ -255,6 +255,7 @@ def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
 # --------------------------------------------------------------------------------------------------- #
 # Oracle: one process, torch.optim.Muon + torch.optim.AdamW                                            #
 # --------------------------------------------------------------------------------------------------- #
+@rank_threads()  # the mixed-precision run is compared with it bit for bit
 def train_oracle(
     init: dict[str, torch.Tensor], split: int = 1, compute_dtype: torch.dtype | None = None,
     max_norm: float = MAX_NORM,
