@@ -125,7 +125,13 @@ def misuse_job(rank: int, world: int) -> dict:
     attempt("settings_differ_per_rank", m2,
             lambda: dmuon.dedicate_params(m2, mesh, proj, reshard_after_forward=rank == 0))
 
-    # hook boundaries
+    _boundary_cases(mesh, attempt, out)
+    return out
+
+
+def _boundary_cases(mesh, attempt, out: dict) -> None:
+    """Where the default and a custom hook_boundary_predicate put the boundaries; strict mode names a weight
+    left outside them."""
     mm = Multimodal()
     dmuon.dedicate_params(mm, mesh, lambda n, p: p.ndim == 2)
     default_bounds = sorted(g.fqn for g in getattr(mm, STATE_ATTR).groups)
@@ -138,7 +144,6 @@ def misuse_job(rank: int, world: int) -> dict:
     attempt("strict_multimodal_head", mm, lambda: dmuon.dedicate_params(
         mm, mesh, lambda n, p: p.ndim == 2, hook_boundary_predicate=lambda mod: isinstance(mod, (Vision, Decoder))))
     out["bounds"] = (repr(default_bounds), repr(custom_bounds), True)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -3,252 +3,39 @@
 (``dedicate_params(param_dtype=...)``), no_sync accumulation and clipping on fp32 gradients, 2 x 2 HSDP,
 masters in every kind of checkpoint, and bad input.
 
-[Note: the mixed-precision oracle] A bf16 forward is not invariant to how the batch is split (bf16 gradients
-of two halves averaged are not the bf16 gradient of the whole), and Newton-Schulz turns such last-bit
-differences into visibly different updates: a full-batch oracle differs from any 2-rank run by ~4e-2 in the
-weights after 10 steps, as much as separates training with and without masters. So the oracle
-here is the textbook data-parallel mixed-precision loop written out on one process: the same per-rank
-batch halves, each rank's bf16 gradient taken to fp32 (summed there over micro-batches), averaged as
-``(g0 + g1) / 2`` in fp32, ``torch.optim.Muon`` stepping fp32 copies that are rounded back into the bf16
-model, ``torch.optim.AdamW`` on the other params, on the ranks' thread count. Nothing in it comes from dmuon,
-except that the clipped run clips with the norm dmuon reported, once the test has checked that norm
-against the oracle's own (test_clip_sees_the_fp32_gradients says why).
-
-Each CPU's bf16 kernels round differently (oneDNN's AMX, AVX512-BF16 and AVX512 matmuls and ATen's
-AVX2 fallback give step-0 gradient norms up to 6e-4 apart here), so the oracle is never compared with
-numbers from another machine: it runs the ranks' kernels on the ranks' shapes in the same process
-tree, which is what makes its bits the ranks' bits on any CPU.
+The oracle and the builders are in tests/_mixed_precision.py ([Note: the mixed-precision oracle]); the
+restarts are in tests/test_mixed_precision_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
 from dmuon.runtime.hooks import STATE_ATTR
-from dmuon.tools.models import TinyLlama
 from tests._asserts import rel_err
-from tests._dist import rank_threads, run_distributed
-from tests._training import CFG, GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
-
-BF16, FP32 = torch.bfloat16, torch.float32
-WORLD = 2
-STEPS = 6
-MUON = dict(lr=0.01, weight_decay=0.01, momentum=0.95, nesterov=True)
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-
-
-@dataclass(frozen=True)
-class MP:
-    #: "bf16": a bf16 model (FSDP2 reduces its params' gradients in fp32); "fsdp_mp": an fp32 model under
-    #: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), dedicated params with param_dtype=bf16
-    recipe: str = "bf16"
-    #: bf16 recipe: Muon(master_dtype=torch.float32)
-    master: bool = True
-    reduce_fp32: bool = True
-    steps: int = STEPS
-    #: micro-batches per step, all but the last under dmuon.no_sync
-    accum: int = 1
-    max_norm: float | None = None
-    #: build on the meta device, materialise with to_empty() + init after fully_shard
-    meta: bool = False
-
-
-# --------------------------------------------------------------------------------------------------- #
-# Oracle: one process, written from the definition (see the module note)                              #
-# --------------------------------------------------------------------------------------------------- #
-#: unit roundoff (round to nearest) of float32 (24-bit significand) and bfloat16 (8-bit significand)
-U32, U16 = 2.0**-24, 2.0**-8
-
-
-def _exact_norm(grads: list[torch.Tensor]) -> float:
-    """The 2-norm of these gradients' exact values (float64 squares of fp32/bf16 numbers: error ~1e-16)."""
-    return sum(g.double().square().sum().item() for g in grads) ** 0.5
-
-
-def fp32_norm_rtol(grads: list[torch.Tensor], world: int) -> float:
-    """A bound on |n - exact| / exact for any fp32 norm n of ``grads`` computed as dmuon.clip_grad_norm_ does:
-    torch.linalg.vector_norm of each gradient (or of each rank's shard of it), those norms squared and
-    summed over the params and the ranks, the root taken.
-
-    Every square x_i^2 reaches the sum through d_i rounded fp32 operations, each multiplying it by some
-    (1 + e), |e| <= U32, so |computed sum - sum| <= sum_p S_p ((1 + U32)^d_p - 1) with S_p the gradient's
-    exact squared norm. torch's CPU vector_norm of a contiguous fp32 tensor of m elements squares each
-    element (1 rounding), adds it into one of L SIMD lanes (ceil(m / L) additions), folds the L lanes
-    left to right (L - 1) and adds the < L leftover elements (L - 1): d <= ceil(m / L) + 2L. L is 8 with
-    256-bit vectors (ATen's DEFAULT and AVX2 builds), 16 with AVX512, so L = 8 bounds any x86 CPU; m is
-    the whole gradient (a shard is shorter). Then the root and the square of each norm (3), at most
-    len(grads) additions on a rank and world - 1 in the all-reduce. The root halves the relative error
-    e of the sum (sqrt(1 - e) >= 1 - e/2 - e^2/2) and rounds once more. The error is only dmuon's: the
-    reference is _exact_norm. For the test model this is ~6.4e-5 (dmuon measured 4.5e-7..7.3e-7 from the
-    exact norm, the same with oneDNN and ATen capped by ONEDNN_MAX_CPU_ISA=AVX512_CORE / AVX2 and
-    ATEN_CPU_CAPABILITY=avx2 / default); dropping its smallest dedicated gradient would move the norm by
-    4e-4. A constant 32768-vector, the worst input for one accumulator, errs by 1.2e-5 in vector_norm
-    against the 1.2e-4 this gives it, with ATen's AVX512, AVX2 and DEFAULT kernels alike."""
-    squares = [g.double().square().sum().item() for g in grads]
-    depth = 16 + 3 + len(grads) + world - 1
-    e = sum(s * ((1 + U32) ** (-(-g.numel() // 8) + depth) - 1) for g, s in zip(grads, squares)) / sum(squares)
-    return e / 2 + e * e / 2 + 2 * U32
-
-
-@rank_threads()
-def oracle(opts: MP, world: int = WORLD, clip_norms: list[float] | None = None) -> dict:
-    """``clip_norms``: the norms dmuon reported, one a step; the oracle clips with those instead of its own
-    (see test_clip_sees_the_fp32_gradients), and records the exact norm of its gradients to check them by."""
-    torch.manual_seed(0)
-    compute = build_model().to(BF16)  # what every forward runs on
-    params = dict(compute.named_parameters())
-    proj = [n for n, p in params.items() if projection_predicate(n, p)]
-    if opts.recipe == "fsdp_mp":
-        values = {n: p.detach().clone() for n, p in build_model().named_parameters()}  # fp32 everything
-    else:
-        values = {n: (p.detach().float().clone() if n in proj and opts.master else p) for n, p in params.items()}
-    om = torch.optim.Muon([values[n] for n in proj], ns_coefficients=KJ, **MUON)
-    oa = torch.optim.AdamW([values[n] for n in params if n not in proj], **ADAMW)
-    per = GLOBAL_BATCH // world
-    micro = per // opts.accum
-    losses, norms, bounds, after, after_bounds, bf16_shares = [], [], [], [], [], []
-    for step, (tok, tgt) in enumerate(batches(opts.steps)):
-        with torch.no_grad():
-            for n, p in params.items():
-                if values[n] is not p:
-                    p.copy_(values[n])  # round the fp32 values into the bf16 compute model
-        total = {n: torch.zeros(p.shape, dtype=FP32) for n, p in params.items()}
-        step_loss = 0.0
-        for r in range(world):
-            local = {n: torch.zeros(p.shape, dtype=FP32) for n, p in params.items()}
-            rank_loss = 0.0
-            for i in range(opts.accum):
-                lo = r * per + i * micro
-                compute.zero_grad()
-                loss = compute(tok[lo : lo + micro], tgt[lo : lo + micro]).loss / opts.accum
-                loss.backward()
-                rank_loss += loss.item()
-                for n, p in params.items():
-                    local[n] += p.grad.float()
-            for n in params:
-                total[n] += local[n]
-            step_loss += rank_loss / world
-        for n in params:
-            values[n].grad = (total[n] / world).to(values[n].dtype)
-        if opts.max_norm is not None:
-            grads = [values[n].grad for n in params]
-            norms.append(_exact_norm(grads))
-            bounds.append(fp32_norm_rtol(grads, world))
-            bf16_shares.append(sum(g.double().square().sum().item() for g in grads if g.dtype == BF16)
-                               / norms[-1] ** 2)
-            # torch.nn.utils.clip_grad_norm_'s formula in fp32, with dmuon's norm when given
-            norm = (torch.tensor(clip_norms[step], dtype=FP32) if clip_norms is not None
-                    else torch.stack([g.float().norm() for g in grads]).norm())
-            coef = torch.clamp(opts.max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-            after.append(_exact_norm(grads))
-            after_bounds.append(fp32_norm_rtol(grads, world))
-        om.step()
-        oa.step()
-        losses.append(step_loss)
-    # what the model holds: the bf16 params of a bf16 model (its masters are optimizer state), the fp32
-    # values under param_dtype (as FSDP2 keeps its fp32 params)
-    dtype = FP32 if opts.recipe == "fsdp_mp" else BF16
-    weights = {n: values[n].detach().to(dtype, copy=True) for n in params}
-    return {"losses": losses, "weights": weights, "norms": norms, "norm_rtols": bounds, "after_clip": after,
-            "after_clip_rtols": after_bounds, "bf16_shares": bf16_shares}
-
-
-# --------------------------------------------------------------------------------------------------- #
-# dmuon side                                                                                           #
-# --------------------------------------------------------------------------------------------------- #
-def build(world: int, opts: MP, seed: int = 0, hsdp: bool = False):
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (world,))
-    if opts.meta:
-        with torch.device("meta"):
-            model = TinyLlama(CFG)
-    else:
-        model = build_model(seed)
-    fsdp_mp = opts.recipe == "fsdp_mp"
-    if not fsdp_mp:
-        model = model.to(BF16)
-    dmuon.dedicate_params(model, mesh, projection_predicate, param_dtype=BF16 if fsdp_mp else None,
-                          reduce_dtype=FP32 if opts.reduce_fp32 else None)
-    policy = MixedPrecisionPolicy(param_dtype=BF16 if fsdp_mp else None, reduce_dtype=FP32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if opts.meta:  # the owners' masters come from these fp32 values when dmuon.Muon binds the params
-        model.to_empty(device="cpu")
-        model.init_weights(seed)
-    opt = dmuon.Muon(model, ns_coefficients=KJ, master_dtype=FP32 if opts.master else None,
-                     adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
-                     adamw_weight_decay=ADAMW["weight_decay"], **MUON)
-    return model, opt
-
-
-def train_step(model, opt, opts: MP, rank: int, world: int, tok, tgt, record: dict | None = None) -> float:
-    per = GLOBAL_BATCH // world
-    micro = per // opts.accum
-    opt.zero_grad()
-    total = 0.0
-    for i in range(opts.accum):
-        lo = rank * per + i * micro
-        with dmuon.no_sync(model) if i < opts.accum - 1 else nullcontext():
-            loss = model(tok[lo : lo + micro], tgt[lo : lo + micro]).loss / opts.accum
-            loss.backward()
-        total += loss.item()
-    if record is not None:
-        record.setdefault("grad_dtypes", []).append(
-            sorted({str(g.dtype) for g in dmuon.get_owned_grads(model).values() if g is not None}))
-    if opts.max_norm is not None:
-        record["norms"].append(dmuon.clip_grad_norm_(model, opts.max_norm).item())
-        record["after_clip"].append(dmuon.clip_grad_norm_(model, 1e9).item())  # clips nothing, measures
-    opt.step()
-    logged = torch.tensor(total)
-    dist.all_reduce(logged, op=dist.ReduceOp.AVG)
-    return logged.item()
-
-
-def masters_consistent(model, opt) -> bool:
-    """Every owned master, rounded to the param's dtype, is exactly the param (what is broadcast)."""
-    state = getattr(model, STATE_ATTR)
-    ok = True
-    for dp in state.dedicated():
-        if dp.owner != state.rank():
-            continue
-        master = dp.master if dp.master is not None else opt.state[dp.param].get("master")
-        ok &= master is not None and master.dtype == FP32 and torch.equal(master.to(dp.param.dtype), dp.param)
-    return bool(ok)
-
-
-def train_job(rank: int, world: int, runs: dict[str, MP]) -> dict:
-    out = {}
-    for name, opts in runs.items():
-        model, opt = build(world, opts)
-        record: dict = {"norms": [], "after_clip": []}
-        losses = [train_step(model, opt, opts, rank, world, tok, tgt, record) for tok, tgt in batches(opts.steps)]
-        state = getattr(model, STATE_ATTR)
-        out[name] = {
-            "losses": losses,
-            "weights": dmuon.get_model_state_dict(model),
-            "masters_consistent": masters_consistent(model, opt) if opts.master or opts.recipe == "fsdp_mp" else None,
-            "momentum_dtypes": sorted({str(opt.state[dp.param]["momentum_buffer"].dtype)
-                                       for dp in state.dedicated() if dp.owner == rank}),
-            "owned": len([dp for dp in state.dedicated() if dp.owner == rank]),
-            **record,
-        }
-    return out
-
+from tests._dist import run_distributed
+from tests._mixed_precision import (
+    BF16,
+    FP32,
+    LOSS_RTOL,
+    MP,
+    U16,
+    U32,
+    WORLD,
+    build,
+    loss_gap,
+    loss_rtol,
+    masters_consistent,
+    oracle,
+    train_job,
+    train_step,
+)
+from tests._training import GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
 
 RUNS = {
     "master": MP(),
@@ -274,27 +61,12 @@ def oracles(trained) -> dict[str, dict]:
     return out
 
 
-def _loss_gap(got: list[float], want: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
-
-
-# The runs below reproduce their oracles bit for bit (every sum has the same operands in the same order on
-# one machine: gloo's fp32 average of two ranks is (g0 + g1) / 2, FSDP2's pre-divided g0/2 + g1/2 is the
-# same number), so the weights are compared exactly; losses differ only by the logging: both sides add the
-# same fp32 micro-batch losses in Python floats, the oracle averages the ranks in float64 (~1e-16), dmuon
-# rounds each rank's sum to fp32 and gloo adds them in fp32, at most `world` roundings of positive terms.
-# Training with and without masters lands ~5e-3 apart after 6 steps (test_master_is_what_makes_the_difference).
-def loss_rtol(world: int) -> float:
-    return (1 + U32) ** world - 1 + 1e-15  # 1.2e-7 on 2 ranks (measured <= 5.6e-8), 2.4e-7 on 4 (6.6e-8)
-
-
-LOSS_RTOL = loss_rtol(WORLD)
 
 
 @pytest.mark.parametrize("run", ["master", "no_master", "accum", "fsdp_mp", "fsdp_mp_meta"])
 def test_matches_mixed_precision_oracle(trained, oracles, run):
     got, want = trained[0][run], oracles[run]
-    assert _loss_gap(got["losses"], want["losses"]) <= LOSS_RTOL, (got["losses"], want["losses"])
+    assert loss_gap(got["losses"], want["losses"]) <= LOSS_RTOL, (got["losses"], want["losses"])
     assert got["losses"][-1] < got["losses"][0] - 0.05, "training did not make progress"
     assert set(got["weights"]) == set(want["weights"])
     for k, v in want["weights"].items():
@@ -365,7 +137,7 @@ def test_clip_sees_the_fp32_gradients(trained, oracles):
                      + 1e-6 / want["norms"][step] + 3 * U32)
             assert abs(exp - 0.5) <= 0.5 * slack, (step, exp, slack)
     got = trained[0]["clip"]
-    assert _loss_gap(got["losses"], want["losses"]) <= LOSS_RTOL, (got["losses"], want["losses"])
+    assert loss_gap(got["losses"], want["losses"]) <= LOSS_RTOL, (got["losses"], want["losses"])
     assert set(got["weights"]) == set(want["weights"])
     for k, v in want["weights"].items():
         assert got["weights"][k].dtype == v.dtype and torch.equal(got["weights"][k], v), (
@@ -390,7 +162,7 @@ def test_hsdp_matches_mixed_precision_oracle():
     for name, opts in runs.items():
         want = oracle(opts, world=4)
         got = results[0][name]
-        assert _loss_gap(got["losses"], want["losses"]) <= loss_rtol(4), (name, got["losses"], want["losses"])
+        assert loss_gap(got["losses"], want["losses"]) <= loss_rtol(4), (name, got["losses"], want["losses"])
         for k, v in want["weights"].items():
             assert torch.equal(got["weights"][k], v), (name, k, rel_err(got["weights"][k], v))
         assert all(res[name]["masters_consistent"] for res in results), name
@@ -574,119 +346,3 @@ def test_bad_input_raises_before_anything_changes(mechanics, case, error, needle
         assert unchanged, f"{case}: state changed"
 
 
-# --------------------------------------------------------------------------------------------------- #
-# Checkpoints                                                                                          #
-# --------------------------------------------------------------------------------------------------- #
-SAVE_AT = 3
-
-
-def save_job(rank: int, world: int, ckpt_dir: str, opts: MP) -> dict:
-    model, opt = build(world, opts)
-    data = batches(opts.steps)
-    losses = []
-    for step, (tok, tgt) in enumerate(data):
-        if step == SAVE_AT:
-            model_sd = dmuon.get_model_state_dict(model)
-            optim_sd = dmuon.get_optimizer_state_dict(model, opt)
-            if rank == 0:
-                torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(ckpt_dir, "full.pt"))
-            torch.save(opt.state_dict(), os.path.join(ckpt_dir, f"native{rank}.pt"))
-            dist.barrier()
-            dcp.save({"model": dmuon.get_model_state_dict(model, sharded=True),
-                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)},
-                     checkpoint_id=os.path.join(ckpt_dir, "dcp"))
-        losses.append(train_step(model, opt, opts, rank, world, tok, tgt))
-    return {"losses": losses, "model": dmuon.get_model_state_dict(model)}
-
-
-def resume_job(rank: int, world: int, ckpt_dir: str, opts: MP, modes: list[str]) -> dict:
-    out = {}
-    data = batches(opts.steps)
-    for mode in modes:
-        model, opt = build(world, opts, seed=123)  # a different init: the load must replace it
-        ckpt = torch.load(os.path.join(ckpt_dir, "full.pt"), map_location="cpu", weights_only=False)
-        if mode == "dcp":
-            target = {"model": dmuon.get_model_state_dict(model, sharded=True),
-                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)}
-            dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
-            dmuon.set_model_state_dict(model, target["model"])
-            dmuon.set_optimizer_state_dict(model, opt, target["optim"])
-        elif mode == "rank0":
-            dmuon.set_model_state_dict(model, ckpt["model"] if rank == 0 else {})
-            dmuon.set_optimizer_state_dict(model, opt, ckpt["optim"] if rank == 0 else {})
-        elif mode == "native":
-            dmuon.set_model_state_dict(model, ckpt["model"])
-            opt.load_state_dict(torch.load(os.path.join(ckpt_dir, f"native{rank}.pt"), weights_only=False))
-        else:
-            optim_sd = ckpt["optim"]
-            if mode == "no_master":  # what a checkpoint that forgot the masters would resume to
-                optim_sd = {"param_groups": optim_sd["param_groups"],
-                            "state": {n: {k: v for k, v in e.items() if k != "master"}
-                                      for n, e in optim_sd["state"].items()}}
-            dmuon.set_model_state_dict(model, ckpt["model"])
-            dmuon.set_optimizer_state_dict(model, opt, optim_sd)
-        losses = [train_step(model, opt, opts, rank, world, tok, tgt) for tok, tgt in data[SAVE_AT:]]
-        out[mode] = {"losses": losses, "model": dmuon.get_model_state_dict(model)}
-    return out
-
-
-CKPT_RUNS = {"bf16": (MP(), ["full", "rank0", "dcp", "native", "no_master"]),
-             "fsdp_mp": (MP(recipe="fsdp_mp", master=False), ["full", "dcp", "native"])}
-
-
-@pytest.fixture(scope="module", params=sorted(CKPT_RUNS))
-def restarted(request, tmp_path_factory) -> tuple[str, dict, dict, dict]:
-    opts, modes = CKPT_RUNS[request.param]
-    ckpt_dir = str(tmp_path_factory.mktemp(f"mp_ckpt_{request.param}"))
-    original = run_distributed(save_job, WORLD, ckpt_dir, opts)[0]
-    resumed = run_distributed(resume_job, WORLD, ckpt_dir, opts, modes)[0]
-    saved = torch.load(os.path.join(ckpt_dir, "full.pt"), map_location="cpu", weights_only=False)
-    return request.param, original, resumed, saved
-
-
-def test_restart_with_masters_is_bit_identical(restarted):
-    recipe, original, resumed, _ = restarted
-    for mode, r in resumed.items():
-        if mode == "no_master":
-            continue
-        assert r["losses"] == original["losses"][SAVE_AT:], (recipe, mode)
-        for k, v in original["model"].items():
-            assert torch.equal(r["model"][k], v), (recipe, mode, k)
-
-
-def test_checkpoints_hold_the_masters(restarted):
-    recipe, original, resumed, saved = restarted
-    key = "layers.0.attention.q_proj.weight"
-    if recipe == "bf16":
-        entry = saved["optim"]["state"][key]
-        assert entry["master"].dtype == entry["momentum_buffer"].dtype == FP32
-        assert saved["model"][key].dtype == BF16 and torch.equal(entry["master"].to(BF16), saved["model"][key])
-        assert not torch.equal(entry["master"], saved["model"][key].float()), "the master carries no extra bits"
-        # and those bits matter: resuming without them leaves the uninterrupted trajectory
-        assert resumed["no_master"]["losses"] != original["losses"][SAVE_AT:]
-    else:
-        # the model dict holds the fp32 values (loadable into the plain fp32 model); no optimizer masters
-        assert saved["model"][key].dtype == FP32
-        assert not torch.equal(saved["model"][key], saved["model"][key].to(BF16).float())
-        assert "master" not in saved["optim"]["state"][key]
-        assert saved["optim"]["state"][key]["momentum_buffer"].dtype == FP32
-        plain = build_model(seed=5)
-        plain.load_state_dict(saved["model"], strict=True)
-
-
-def test_refresh_skips_the_check_until_the_param_is_written():
-    """The per-step master check costs nothing while the param's version counter shows no write."""
-    from dmuon.runtime.precision import refresh_master_
-
-    p = torch.nn.Parameter(torch.randn(4, 6).bfloat16())
-    master = p.detach().float() * (1 + 2**-12)  # low bits only the master knows: rounds back to p
-    assert torch.equal(master.bfloat16(), p.detach())
-    v = refresh_master_(master, p)  # unknown version: compares, they agree, master kept
-    keep = master.clone()
-    master[0, 0] += 1.0  # a master p does not match any more...
-    assert refresh_master_(master, p, v) == v  # ...is kept: nothing wrote p, so nothing is checked
-    assert master[0, 0] == keep[0, 0] + 1.0
-    with torch.no_grad():
-        p[1, 1] = 7.0  # a direct write bumps the counter: the check runs and the param wins
-    v2 = refresh_master_(master, p, v)
-    assert v2 != v and torch.equal(master, p.detach().float())

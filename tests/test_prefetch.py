@@ -171,7 +171,8 @@ def _checkpointed(fwd):
     return run
 
 
-def routed_train(rank: int, world: int, s: Setup) -> dict:
+def _build_routed(world: int, s: Setup):
+    """The routed model under dmuon (and FSDP2 unless ``s.fsdp`` is off) and its optimizer."""
     torch.manual_seed(0)
     if s.hsdp:
         mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -188,6 +189,11 @@ def routed_train(rank: int, world: int, s: Setup) -> dict:
         for layer in model.layers:
             layer.forward = _checkpointed(layer.forward)
     opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
+    return model, opt
+
+
+def routed_train(rank: int, world: int, s: Setup) -> dict:
+    model, opt = _build_routed(world, s)
     state = getattr(model, STATE_ATTR)
     groups = [next(g for g in state.groups if g.fqn == f"layers.{i}") for i in range(CFG4.n_layers)]
     step_box = [0]
