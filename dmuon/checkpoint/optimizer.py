@@ -202,7 +202,7 @@ def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
     return out
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any]) -> None:
+def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a dict from :func:`get_optimizer_state_dict` (full or sharded, any world size). Collective.
 
     Replaces the optimizer's state and param-group hyperparameters. Same rules as
