@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
-from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
+from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import DEVICE_TYPE, device, rank_threads
 
 # [Note: test scale] bf16 rounding inside Newton-Schulz amplifies the last-bit differences that any
@@ -98,6 +99,26 @@ def root_sharded(world: int) -> tuple[TinyLlama, dmuon.Muon]:
     dmuon.dedicate_params(model, mesh, projection_predicate)
     fully_shard(model, mesh=mesh)
     return model, dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+
+
+#: four small layers for the routed model: enough to skip and reorder layers
+CFG4 = TinyLlamaConfig(vocab_size=128, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64)
+
+
+class RoutedLlama(TinyLlama):
+    """TinyLlama that runs ``self.route`` (layer indices, in order) instead of every layer."""
+
+    def __init__(self, cfg: TinyLlamaConfig):
+        super().__init__(cfg)
+        self.route: tuple[int, ...] = tuple(range(cfg.n_layers))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> CausalLMOutput:
+        h = self.tok_embeddings(tokens)
+        for i in self.route:
+            h = self.layers[i](h)
+        logits = self.lm_head(self.norm(h)).float()
+        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return CausalLMOutput(logits, loss)
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,16 +20,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.runtime.hooks import STATE_ATTR
 from dmuon.runtime.prefetch import _OrderCursor
-from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig, projection_predicate
+from dmuon.tools.models import projection_predicate
 from tests._dist import DEVICE_TYPE, device, run_distributed
-from tests._training import GLOBAL_BATCH, KJ, RunOptions, batches, full_weights, train_dmuon
+from tests._training import CFG4, GLOBAL_BATCH, KJ, RoutedLlama, RunOptions, batches, full_weights, train_dmuon
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 4
@@ -84,7 +83,6 @@ def _assert_same_bits(a: dict, b: dict, what: str) -> None:
 # A model whose layer order can change per call                                                         #
 # --------------------------------------------------------------------------------------------------- #
 
-CFG4 = TinyLlamaConfig(vocab_size=128, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64)
 ALL = (0, 1, 2, 3)
 #: train routes per step (every rank the same): stable, a skipped layer, stable, reversed, stable
 ROUTES = (ALL, ALL, (0, 1, 3), ALL, (3, 2, 1, 0), ALL, ALL)
@@ -95,22 +93,6 @@ EVAL_ROUTES = ((0, 2, 3), (0, 2, 3), (0, 2, 3), (0, 1), (0, 2, 3), (3, 1), (0, 2
 def _order_held(step: int) -> bool:
     """Whether step ``step`` runs the same train and eval orders as the step before (so no guess is wrong)."""
     return step == 0 or (ROUTES[step], EVAL_ROUTES[step]) == (ROUTES[step - 1], EVAL_ROUTES[step - 1])
-
-
-class RoutedLlama(TinyLlama):
-    """TinyLlama that runs ``self.route`` (layer indices, in order) instead of every layer."""
-
-    def __init__(self, cfg: TinyLlamaConfig):
-        super().__init__(cfg)
-        self.route: tuple[int, ...] = tuple(range(cfg.n_layers))
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> CausalLMOutput:
-        h = self.tok_embeddings(tokens)
-        for i in self.route:
-            h = self.layers[i](h)
-        logits = self.lm_head(self.norm(h)).float()
-        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return CausalLMOutput(logits, loss)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.
     EMPTY --(no_sync backward)--> UNSYNCED --(backward outside no_sync)--> READY --(bucket reduce
     issued)--> REDUCING --(reduce done)--> REDUCED on the owner / EMPTY elsewhere
 
-and ``zero_grad`` returns to EMPTY. Only :class:`~dmuon.runtime.param.DedicatedParam` writes these
+and ``zero_grad`` returns to EMPTY. A matrix still UNSYNCED when a synchronised backward ends (used inside
+``no_sync`` only) is handed over then, so a step's gradient is averaged exactly once whatever micro-batch
+last used the matrix. Only :class:`~dmuon.runtime.param.DedicatedParam` writes these
 fields; this file decides *when* (per bucket), ``dmuon/runtime/hooks.py`` feeds it the autograd events.
 
 [Note: mixed precision]

@@ -42,7 +42,7 @@ from . import comm as C
 from .comm import CommKind
 from .config import RuntimeConfig
 from .group import BoundaryGroup, GroupState
-from .param import DedicatedParam
+from .param import DedicatedParam, GradState
 from .prefetch import Prefetcher
 from .replicated import all_reduce_replicated_grads
 
@@ -240,6 +240,8 @@ class DMuonState:
         self._callback_queued = False
         self.prefetcher.reset_backward()
         for g in self.groups:  # also releases a backward prefetch whose backward never came
+            if self.sync_grads:
+                self._hand_over_unsynced(g)
             if self.sync_grads and g.any_grad_ready():
                 g.reduce_grads()
             elif g.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
@@ -248,14 +250,27 @@ class DMuonState:
         if self.sync_grads:
             all_reduce_replicated_grads(self.ctx, self.replicated_params)
 
+    def _hand_over_unsynced(self, g: BoundaryGroup) -> None:
+        """A matrix that accumulated under ``no_sync`` but got no gradient in this (synchronised) backward
+        still owes its reduce: hand its sum over now, so every gradient of the step is averaged exactly
+        once, as FSDP2 does for its own params. Usage is the same on every rank, so every rank finds the
+        same matrices here and issues the same reduces."""
+        for dp in g.params:
+            if dp.grad_state is GradState.UNSYNCED:
+                dp.hand_over(g.main_grad_dtype(dp))
+
     # ------------------------------------------------------------------ #
     # Drains                                                               #
     # ------------------------------------------------------------------ #
     def wait_all_reduces(self) -> None:
-        """Issue what is handed over (outside ``no_sync``) and finish every reduce in flight."""
+        """Issue what is handed over or still unsynced (outside ``no_sync``) and finish every reduce in
+        flight. (Unsynced sums are normally handed over at the end of the backward that closes the
+        accumulation; this catches a closing backward that ran none of dmuon's hooks.)"""
         for g in self.groups:
-            if self.sync_grads and g.any_grad_ready():
-                g.reduce_grads()
+            if self.sync_grads:
+                self._hand_over_unsynced(g)
+                if g.any_grad_ready():
+                    g.reduce_grads()
             g.finish_reduce()
 
     def finish_reduces(self) -> None:
