@@ -44,7 +44,9 @@ def clip_grad_norm_(
 
     Collective. Waits for pending dedicated reduces first, so call it after ``backward()`` and before
     ``optimizer.step()``. The norm equals ``torch.nn.utils.clip_grad_norm_`` on the same model trained on
-    one process, and is the same tensor (float32, on dmuon's device) on every rank.
+    one process, and is the same tensor (float32, on dmuon's device) on every rank. A NaN or inf in any
+    gradient on any rank makes it NaN / inf everywhere, as torch's does (for ``norm_type=inf`` too, where a
+    backend's MAX could drop a NaN), so ``error_if_nonfinite=True`` raises on every rank together.
 
     Example::
 
@@ -78,8 +80,14 @@ def clip_grad_norm_(
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
-    C.all_reduce_scalar(ctx, acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    total = acc if inf else acc ** (1.0 / norm_type)
+    if inf:
+        # MAX is not NaN-safe on every backend (gloo's drops a NaN), so a NaN travels as its own flag
+        packed = torch.stack([torch.nan_to_num(acc, nan=0.0, posinf=math.inf), torch.isnan(acc).float()])
+        C.all_reduce_scalar(ctx, packed, op=dist.ReduceOp.MAX)
+        total = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+    else:
+        C.all_reduce_scalar(ctx, acc, op=dist.ReduceOp.SUM)  # a sum carries NaN and inf like any addition
+        total = acc ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

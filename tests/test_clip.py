@@ -89,3 +89,51 @@ def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout):
             assert abs(got - want) / want <= 1e-4, f"{layout} step {step}: {got} vs {want}"
         for k, want in oracle["weights"].items():
             assert rel_err(r["weights"][k], want) <= WEIGHT_RTOL, k
+
+
+def nonfinite_job(rank: int, world: int, bad: str) -> dict:
+    """A NaN (or inf) in one gradient element of a matrix rank 1 owns, nowhere else. Each measurement gets
+    fresh gradients: clipping by an infinite norm scales by 0, which turns an inf into a NaN (torch too)."""
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.01)
+    tok, tgt = batches(1)[0]
+    per = GLOBAL_BATCH // world
+
+    def fresh() -> None:
+        opt.zero_grad()
+        model(tok[rank * per:(rank + 1) * per].to(device()),
+              tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()
+        grads = dmuon.get_owned_grads(model)
+        if rank == 1:
+            grads[sorted(grads)[0]].view(-1)[0] = float(bad)
+
+    out = {}
+    for norm_type in (2.0, float("inf")):
+        fresh()
+        out[norm_type] = dmuon.clip_grad_norm_(model, 1e9, norm_type=norm_type).item()
+    fresh()
+    try:
+        dmuon.clip_grad_norm_(model, 1.0, error_if_nonfinite=True, norm_type=float("inf"))
+        out["raised"] = ""
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank(bad):
+    """torch.nn.utils.clip_grad_norm_ returns NaN (inf) for such a gradient, for every norm type; gloo's MAX
+    alone would drop the NaN, so the infinity norm carries it as a flag."""
+    def torch_norm(norm_type: float) -> float:
+        return torch.nn.utils.get_total_norm([torch.tensor([1.0, 2.0]), torch.tensor([float(bad)])],
+                                             norm_type=norm_type).item()
+
+    results = run_distributed(nonfinite_job, 2, bad)
+    for rank, r in enumerate(results):
+        for norm_type in (2.0, float("inf")):
+            got, want = r[norm_type], torch_norm(norm_type)
+            assert (got != got and want != want) or got == want, (rank, norm_type, got, want)
+        assert "total norm" in r["raised"], (rank, r["raised"])

@@ -293,8 +293,8 @@ def wait(pending: PendingComm) -> torch.Tensor:
 
 
 def all_reduce_scalar(ctx: CommContext, value: torch.Tensor, *, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-    """Combine one small tensor over every rank in place (``SUM`` or ``MAX``) and wait; not counted, since
-    it is a few bytes (the clip norm)."""
+    """Combine a tensor of a few elements over every rank in place (``SUM`` or ``MAX``) and wait; not
+    counted, since it is a few bytes (the clip norm and its NaN flag)."""
     if ctx.world_size > 1:
         dist.all_reduce(value, op=op, group=ctx.groups[Dim.WORLD])
     return value
