@@ -247,24 +247,22 @@ def _check_model(model: nn.Module) -> None:
 
 def _select(modules: dict[str, nn.Module], predicate: Predicate | None, param_dtype: torch.dtype | None
             ) -> list[_Selected]:
-    """Every parameter the predicate selects (each object once, under its first name), checked."""
-    owners_of: dict[int, list[str]] = {}
-    entries: list[_Selected] = []
+    """Every parameter the predicate selects under any of its names (a tied weight has several), each
+    object once, under its first name, checked."""
+    aliases_of: dict[int, list[_Selected]] = {}
     for module_path, module in modules.items():
         for name, p in module._parameters.items():
             if p is None:
                 continue
             fqn = f"{module_path}.{name}" if module_path else name
-            owners_of.setdefault(id(p), []).append(fqn)
-            if len(owners_of[id(p)]) == 1:
-                entries.append(_Selected(fqn, module_path, name, module, p))
+            aliases_of.setdefault(id(p), []).append(_Selected(fqn, module_path, name, module, p))
     selected = []
-    for s in entries:
-        chosen = predicate(s.fqn, s.param) if predicate is not None else _default_select(s.module_path, s.module,
-                                                                                         s.name, s.param)
-        if chosen:
-            _check_selected(s, owners_of[id(s.param)], param_dtype)
-            selected.append(s)
+    for aliases in aliases_of.values():
+        hits = [s for s in aliases if (predicate(s.fqn, s.param) if predicate is not None
+                                       else _default_select(s.module_path, s.module, s.name, s.param))]
+        if hits:
+            _check_selected(hits[0], [s.fqn for s in aliases], param_dtype)
+            selected.append(aliases[0])
     if not selected:
         raise ValueError(
             "dmuon.dedicate_params: the predicate selected no parameters"
@@ -293,9 +291,10 @@ def _check_selected(s: _Selected, names: list[str], param_dtype: torch.dtype | N
             "the master). Pass a narrower param_dtype, or None."
         )
     if len(names) > 1:
+        others = [n for n in names if n != fqn]
         raise ValueError(
-            f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {names[1:]}); tied "
-            "weights cannot be dedicated. Exclude it from the predicate."
+            f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {others}); tied "
+            "weights cannot be dedicated. Exclude every name of it from the predicate."
         )
 
 

@@ -87,6 +87,9 @@ def misuse_job(rank: int, world: int) -> dict:
     m = build_model()
     m.layers[1].attention.q_proj.weight = m.layers[0].attention.q_proj.weight
     attempt("tied", m, lambda: dmuon.dedicate_params(m, mesh, proj))
+    m = build_model()
+    m.lm_head.weight = m.tok_embeddings.weight  # first registered as tok_embeddings.weight
+    attempt("tied_second_name", m, lambda: dmuon.dedicate_params(m, mesh, lambda n, p: n == "lm_head.weight"))
 
     sub = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
     m = build_model()
@@ -159,6 +162,7 @@ def results() -> dict:
         ("frozen", "ValueError", "layers.0.mlp.up_proj.weight"),
         ("selects_nothing", "ValueError", "selected no parameters"),
         ("tied", "ValueError", "shared"),
+        ("tied_second_name", "ValueError", "'lm_head.weight' is shared (also registered as ['tok_embeddings.weight'])"),
         ("mesh_smaller_than_world", "ValueError", "1 ranks but the default process group has 2"),
         ("mesh_2d", "ValueError", "must be 1-D"),
         ("strict_boundary", "ValueError", "layers.0.attention.q_proj.weight"),
