@@ -218,10 +218,13 @@ class Muon(torch.optim.Optimizer):
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
         self.master_dtype: torch.dtype | None = master_dtype
         self._generation = state.generation
+        #: Until the first step: the non-dedicated params are looked up again (see :meth:`_follow_model`).
+        self._follow_pending = True
         self._building = True
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
         self._building = False
         self._adamw.state = self.state
+        self._model = model
         state.replicated_params = [p for _, p in replicated]
 
     # ------------------------------------------------------------------ #
@@ -263,6 +266,29 @@ class Muon(torch.optim.Optimizer):
         else:
             dp.refresh_master(st["master"])
         return st["master"]
+
+    def _follow_model(self) -> None:
+        """Before the first step: if the model's non-dedicated params were replaced since this optimizer was
+        built (``fully_shard`` after ``dmuon.Muon``, which swaps in DTensor params), take the new ones into
+        the AdamW groups, so they train instead of the stale objects. Once any of them has optimizer state
+        (a step ran, or state was loaded), replacing them is an error, not something to follow."""
+        if not self._follow_pending:
+            return
+        sharded, replicated = _split_params(self._model)
+        now = {"adamw": sharded, "adamw_replicated": replicated}
+        groups = {g["kind"]: g for g in self.param_groups if g["kind"] != "muon"}
+        if all([id(p) for p in groups[k]["params"]] == [id(p) for _, p in now[k]] for k in now):
+            return
+        stale = [n for g in groups.values() for n, p in zip(g["param_names"], g["params"]) if self.state.get(p)]
+        if stale:
+            raise RuntimeError(
+                f"dmuon.Muon: the model's params were replaced after they got optimizer state ({stale[:3]}...): "
+                "build dmuon.Muon after fully_shard (dedicate_params -> fully_shard -> dmuon.Muon)."
+            )
+        for kind, items in now.items():
+            groups[kind]["params"] = [p for _, p in items]
+            groups[kind]["param_names"] = [n for n, _ in items]
+        self._dmuon_state.replicated_params = [p for _, p in replicated]
 
     def _owned(self) -> dict[int, DedicatedParam]:
         return {id(dp.param): dp for dp in self._dmuon_state.owned()}
@@ -337,6 +363,7 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus every dedicated gradient this rank holds: non-owners'
         local ones (inside ``no_sync``), the owners' wide ``main_grad`` and gradients set aside during
         accumulation. Reduces still in flight are finished first, so none lands in ``.grad`` afterwards."""
+        self._follow_model()
         self._dmuon_state.finish_reduces()
         super().zero_grad(set_to_none)
         self._dmuon_state.clear_grads(set_to_none=set_to_none)
@@ -354,12 +381,14 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon: the model's dedicated parameters were replaced after this optimizer was built "
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
+        self._follow_model()
         state.wait_all_reduces()
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._step_muon_group(group, owned)
         self._adamw.step()
+        self._follow_pending = False
         state.publish_updates()
         if not self.replicate_async:
             state.wait_all_replicate_broadcasts()
