@@ -222,6 +222,8 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         )
     if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
+    if replicate_mesh is not None:
+        _check_not_swapped(mesh, replicate_mesh)
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     if mesh.size() * replicas != dist.get_world_size():
         raise ValueError(
@@ -231,6 +233,19 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
             "mesh (with replicate_mesh for HSDP) to cover every rank."
         )
     return mesh, replicate_mesh
+
+
+def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
+    """Refuse shard and replicate meshes passed the wrong way round, where their dim names say so (they
+    would train, with dmuon's broadcasts on the replicate dimension: across nodes instead of within)."""
+    shard_name, replicate_name = (m.mesh_dim_names[0] if m.mesh_dim_names else "" for m in (mesh, replicate_mesh))
+    if (("replicate" in shard_name and "replicate" not in replicate_name)
+            or ("shard" in replicate_name and "shard" not in shard_name)):
+        raise ValueError(
+            f"dmuon.dedicate_params: the mesh is named {shard_name!r} and replicate_mesh {replicate_name!r}: they "
+            "look swapped. Pass the shard dimension as mesh and the replicate dimension as replicate_mesh, e.g. "
+            "dedicate_params(model, hsdp['shard'], replicate_mesh=hsdp['replicate']), or the 2-D mesh itself."
+        )
 
 
 def _check_model(model: nn.Module) -> None:

@@ -95,6 +95,9 @@ def misuse_job(rank: int, world: int) -> dict:
     m = build_model()
     attempt("mesh_smaller_than_world", m, lambda: dmuon.dedicate_params(m, sub["a"], proj))
     attempt("mesh_2d", m, lambda: dmuon.dedicate_params(m, sub, proj))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    attempt("hsdp_meshes_swapped", m, lambda: dmuon.dedicate_params(m, hsdp["replicate"], proj,
+                                                                     replicate_mesh=hsdp["shard"]))
     attempt("strict_boundary", m, lambda: dmuon.dedicate_params(
         m, mesh, proj, hook_boundary_predicate=lambda mod: isinstance(mod, nn.Embedding)))
     attempt("muon_before_dedicate", m, lambda: dmuon.Muon(m))
@@ -165,6 +168,7 @@ def results() -> dict:
         ("tied_second_name", "ValueError", "'lm_head.weight' is shared (also registered as ['tok_embeddings.weight'])"),
         ("mesh_smaller_than_world", "ValueError", "1 ranks but the default process group has 2"),
         ("mesh_2d", "ValueError", "must be 1-D"),
+        ("hsdp_meshes_swapped", "ValueError", "look swapped"),
         ("strict_boundary", "ValueError", "layers.0.attention.q_proj.weight"),
         ("muon_before_dedicate", "ValueError", "dedicate_params"),
         ("twice", "ValueError", "already called"),
