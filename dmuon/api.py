@@ -20,12 +20,14 @@ __all__ = [
 def wait_all_reduces(model: nn.Module) -> None:
     """Finish every pending gradient reduce: afterwards each owner's dedicated ``param.grad`` holds the
     gradient averaged over all ranks (non-owners hold none); with a ``reduce_dtype`` wider than the
-    param's, the owner holds it in that dtype instead (see :func:`get_owned_grads`).
+    param's, the owner holds it in that dtype instead (see :func:`get_owned_grads`). A ``backward()``
+    outside :func:`no_sync` already ends with this, so it is needed only to close an accumulation whose
+    last backward ran none of dmuon's hooks; it stays as an explicit, idempotent drain.
 
     Example::
 
         loss.backward()
-        dmuon.wait_all_reduces(model)
+        dmuon.wait_all_reduces(model)      # a no-op here: backward() finished the reduces
         owned_grads = {n: p.grad for n, p in dmuon.get_owned_params(model).items()}
     """
     get_state(model).wait_all_reduces()

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.tools.models import projection_predicate
-from tests._asserts import assert_bitwise, assert_close_to
+from tests._asserts import assert_bitwise, assert_close_to, rel_err
 from tests._dist import DEVICE_TYPE, device, rank_threads, run_distributed
 from tests._training import (
     ADAMW_HP,
@@ -91,9 +91,9 @@ def stash_hook_job(rank: int, world: int) -> dict:
     opt.zero_grad()
     seen.append(armed())                         # fresh: no per-parameter pre-hook
     model(t1, y1).loss.backward()
-    seen.append(armed())                         # reduce issued, not finished: still none
-    model(t2, y2).loss.backward()                # accumulation without no_sync: the second
-    seen.append(armed())                         # backward found reduced grads and armed them
+    seen.append(armed())                         # backward finished the reduces: averages in .grad, armed
+    model(t2, y2).loss.backward()                # accumulation without no_sync: the second backward
+    seen.append(armed())                         # set them aside, reduced its own, added them back
     opt.step()
     opt.zero_grad()
     seen.append(armed())                         # grads gone: disarmed
@@ -110,7 +110,7 @@ def test_stash_hook_lives_only_while_a_reduced_grad_can_be_accumulated_into():
     for res in run_distributed(stash_hook_job, 2):
         n = res["owned"]
         assert n > 0
-        assert res["seen"] == [0, 0, n, 0, n, n]
+        assert res["seen"] == [0, n, n, 0, n, n]
 
 
 def one_rank_accumulation_job(rank: int, world: int) -> dict:
@@ -227,3 +227,48 @@ def test_matrix_unused_in_the_last_micro_batch_is_averaged_once(fsdp):
     assert_close_to(results[0], oracle, f"skipped layers, fsdp={fsdp}")
     for res in results[1:]:
         assert_bitwise(res, results[0], "every rank holds the same weights")
+
+
+# --------------------------------------------------------------------------------------------------- #
+# .grad after backward()                                                                                #
+# --------------------------------------------------------------------------------------------------- #
+def grad_after_backward_job(rank: int, world: int) -> dict:
+    from tests._training import root_sharded
+
+    model, _ = root_sharded(world)
+    tok, tgt = batches(1)[0]
+    per = GLOBAL_BATCH // world
+    model(tok[rank * per:(rank + 1) * per].to(device()), tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()
+    # read .grad directly, as grad logging or a custom clip would: no dmuon call in between
+    return {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+            for n, p in dmuon.get_owned_params(model).items()}
+
+
+@rank_threads()
+def _half_batch_average(world: int) -> dict:
+    """The ranks' gradients averaged as the reduce averages them: (g_0 + ... ) / world in fp32."""
+    from tests._training import build_model
+
+    tok, tgt = batches(1)[0]
+    per = GLOBAL_BATCH // world
+    total: dict = {}
+    for r in range(world):
+        model = build_model()
+        model(tok[r * per:(r + 1) * per], tgt[r * per:(r + 1) * per]).loss.backward()
+        for n, p in model.named_parameters():
+            total[n] = p.grad if n not in total else total[n] + p.grad
+    return {n: g / world for n, g in total.items()}
+
+
+def test_owner_grad_holds_the_average_when_backward_returns():
+    """As under FSDP2 and DDP: no wait_all_reduces or step() needed before reading .grad (it used to be None
+    on the owner until then)."""
+    results = run_distributed(grad_after_backward_job, 2)
+    want = _half_batch_average(2)
+    seen = 0
+    for rank, grads in enumerate(results):
+        for n, g in grads.items():
+            assert g is not None, f"rank {rank}: {n}.grad is None after backward()"
+            assert torch.equal(g, want[n]), (rank, n, rel_err(g, want[n]))
+            seen += 1
+    assert seen == 14, "every dedicated matrix is owned by one of the two ranks"

@@ -13,8 +13,9 @@ Lifecycle of one step (1-D mesh), as driven from here:
 4. post-accumulate-grad of each dedicated param: hand the local gradient to the group; once all are in,
    reduce each bucket to its owner and free non-owner weights.
 5. end of backward (an autograd-engine callback): reduce whatever unused parameters left pending, free
-   leftover copies (including a prefetch whose backward never came), average gradients of plain
-   replicated parameters.
+   leftover copies (including a prefetch whose backward never came), finish the reduces (each owner's
+   ``.grad`` holds the average when ``backward()`` returns), average gradients of plain replicated
+   parameters.
 
 No step of this reads a tensor on the host (no ``.item()``, no device synchronisation): waits are
 ``Work.wait()``, which on CUDA/NCCL makes the current stream wait rather than the CPU.
@@ -248,6 +249,9 @@ class DMuonState:
                 g.backward_pending = False
                 g.reshard()
         if self.sync_grads:
+            # When backward() returns, each owner's .grad holds the average, as under FSDP2 and DDP. A
+            # wait orders the device stream (NCCL) and reads nothing on the host.
+            self.finish_reduces()
             all_reduce_replicated_grads(self.ctx, self.replicated_params)
 
     def _hand_over_unsynced(self, g: BoundaryGroup) -> None:
