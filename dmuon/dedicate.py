@@ -249,7 +249,14 @@ def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
 
 
 def _check_model(model: nn.Module) -> None:
-    """Refuse a model dmuon already prepared, or one ``fully_shard`` already sharded."""
+    """Refuse a model dmuon already prepared, one ``fully_shard`` already sharded, or a ``torch.compile``
+    wrapper (its hooks and names belong to the module inside)."""
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise ValueError(
+            f"dmuon.dedicate_params: got a torch.compile wrapper ({type(model).__name__}); call dedicate_params "
+            "(and fully_shard) on the model itself, then compile: dmuon.dedicate_params(model, mesh, ...); "
+            "fully_shard(model, ...); model = torch.compile(model)."
+        )
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]

@@ -88,6 +88,9 @@ def misuse_job(rank: int, world: int) -> dict:
     m.layers[1].attention.q_proj.weight = m.layers[0].attention.q_proj.weight
     attempt("tied", m, lambda: dmuon.dedicate_params(m, mesh, proj))
     m = build_model()
+    compiled = torch.compile(m)
+    attempt("after_torch_compile", compiled, lambda: dmuon.dedicate_params(compiled, mesh, proj))
+    m = build_model()
     m.lm_head.weight = m.tok_embeddings.weight  # first registered as tok_embeddings.weight
     attempt("tied_second_name", m, lambda: dmuon.dedicate_params(m, mesh, lambda n, p: n == "lm_head.weight"))
 
@@ -165,6 +168,7 @@ def results() -> dict:
         ("frozen", "ValueError", "layers.0.mlp.up_proj.weight"),
         ("selects_nothing", "ValueError", "selected no parameters"),
         ("tied", "ValueError", "shared"),
+        ("after_torch_compile", "ValueError", "torch.compile wrapper"),
         ("tied_second_name", "ValueError", "'lm_head.weight' is shared (also registered as ['tok_embeddings.weight'])"),
         ("mesh_smaller_than_world", "ValueError", "1 ranks but the default process group has 2"),
         ("mesh_2d", "ValueError", "must be 1-D"),
