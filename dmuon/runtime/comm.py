@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -162,6 +163,7 @@ class CommContext:
         every rank raises the same ``ValueError`` before any group is created.
         """
         backend = dist.get_backend(shard_mesh.get_group())
+        timeout = _user_timeout(_mesh_device(shard_mesh))
         me = dist.get_rank()
         row = tuple(int(r) for r in shard_mesh.mesh.flatten().tolist())
         if replicate_mesh is None:
@@ -176,7 +178,7 @@ class CommContext:
         groups: dict[Dim, dist.ProcessGroup | None] = {}
         # new_group is collective over the default group: every rank creates every row and column, in order
         for r, ranks in enumerate(grid):
-            g = dist.new_group(ranks=list(ranks), backend=backend)
+            g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
             if r == r_idx:
                 groups[Dim.SHARD] = g
         if len(grid) == 1:
@@ -184,10 +186,11 @@ class CommContext:
             groups[Dim.WORLD] = groups[Dim.SHARD]
         else:
             for s in range(len(grid[0])):
-                g = dist.new_group(ranks=[grid[r][s] for r in range(len(grid))], backend=backend)
+                g = dist.new_group(ranks=[grid[r][s] for r in range(len(grid))], backend=backend, timeout=timeout)
                 if s == s_idx:
                     groups[Dim.REPLICATE] = g
-            groups[Dim.WORLD] = dist.new_group(ranks=[r for rr in grid for r in rr], backend=backend)
+            groups[Dim.WORLD] = dist.new_group(ranks=[r for rr in grid for r in rr], backend=backend,
+                                               timeout=timeout)
         return cls(grid, r_idx, s_idx, groups, _mesh_device(shard_mesh), counter)
 
 
@@ -227,6 +230,16 @@ def _grid_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) 
             "mesh['replicate'] of init_device_mesh(..., (R, S), mesh_dim_names=('replicate', 'shard'))."
         )
     return tuple(tuple(int(x) for x in row) for row in grid)  # type: ignore[arg-type]
+
+
+def _user_timeout(device: torch.device) -> timedelta | None:
+    """The timeout given to ``init_process_group``, so that dmuon's groups give up on a dead peer when the
+    user's own would (``new_group`` alone takes the backend's default, 30 minutes for gloo). ``None`` (the
+    default) where this torch keeps it elsewhere: the backend's options are not public API."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
