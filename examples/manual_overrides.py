@@ -76,8 +76,9 @@ def main() -> int:
     path = os.path.join(tempfile.gettempdir(), f"dmuon_manual_overrides_{os.environ.get('MASTER_PORT', '0')}.pt")
     model_sd = dmuon.get_model_state_dict(model)      # drains async work first
     optim_sd = dmuon.get_optimizer_state_dict(model, optimizer)
-    if dist.get_rank() == 0:
-        torch.save({"model": model_sd, "optim": optim_sd}, path)
+    if dist.get_rank() == 0:  # a temporary name, then a rename: a crash mid-write keeps the previous file
+        torch.save({"model": model_sd, "optim": optim_sd}, path + ".tmp")
+        os.replace(path + ".tmp", path)
     dist.barrier()
 
     fresh_model, fresh_optimizer = build(device, mesh, seed=1)

@@ -16,3 +16,30 @@ def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
     assert float(timeout) == TIMEOUT_S, f"dmuon's group timeout {timeout} s is not init_process_group's {TIMEOUT_S}"
     assert result.startswith("RuntimeError"), result
     assert float(elapsed) <= TIMEOUT_S + 5, f"rank 0 took {elapsed} s to notice"
+
+
+def test_trainer_glue_replaces_checkpoint_files_only_once_written(tmp_path, monkeypatch):
+    """The HF glue writes optimizer.pt / scheduler.pt to a temporary name and renames it: a crash mid-write
+    (here: torch.save raising after writing half a file) leaves the previous file loadable."""
+    import torch
+
+    from dmuon.integrations.hf import _files
+
+    path = str(tmp_path / "optimizer.pt")
+    _files.save_replacing({"step": 1}, path)
+    real_save = torch.save
+
+    def crash(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    try:
+        _files.save_replacing({"step": 2}, path)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the simulated crash did not happen")
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(path) == {"step": 1}

@@ -52,3 +52,11 @@ def _fill_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch
             if present and k not in sd:
                 sd[k] = sd[present[0]]
     return sd
+
+
+def save_replacing(obj: object, path: str) -> None:
+    """``torch.save`` to a temporary name beside ``path``, then rename over it: a crash while writing leaves
+    the previous file whole (``os.replace`` is atomic within one file system)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

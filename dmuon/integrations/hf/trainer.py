@@ -22,7 +22,7 @@ from ... import checkpoint as _ckpt
 from ...runtime.hooks import STATE_ATTR
 from ...clip import clip_grad_norm_ as _dmuon_clip_grad_norm_
 from ...optim import Muon
-from ._files import OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights
+from ._files import OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights, save_replacing
 from ._model import dmuon_model_of
 from ._ranks import _barrier, _from_rank0, _rank0_only
 
@@ -110,9 +110,9 @@ def _t_save_optimizer_and_scheduler(trainer: Trainer, output_dir: str) -> None:
                                          rank0_only=not trainer.args.save_on_each_node)  # collective
     if trainer.args.should_save:
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(osd, os.path.join(output_dir, OPTIMIZER_NAME))
+        save_replacing(osd, os.path.join(output_dir, OPTIMIZER_NAME))
         if trainer.lr_scheduler is not None:
-            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            save_replacing(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
     _barrier()
 
 
