@@ -168,8 +168,6 @@ class RunOptions:
     root_boundary: bool = False
     #: dedicate_params(prefetch=...): broadcast the next boundary's weights early
     prefetch: bool = True
-    #: build dmuon.Muon before fully_shard (the recipe's order is the other way round)
-    muon_before_fsdp: bool = False
     hp: MuonHParams = MUON_HP
 
 
@@ -187,7 +185,6 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
         prefetch=opts.prefetch,
         hook_boundary_predicate=(lambda m: isinstance(m, TinyLlama)) if opts.root_boundary else None,
     )
-    opt = dmuon.Muon(model, **muon_kwargs(opts.hp)) if opts.muon_before_fsdp else None
     if opts.fsdp:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -200,8 +197,7 @@ def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
 
         for layer in model.layers:
             layer.forward = _checkpointed(layer.forward, checkpoint)
-    if opt is None:
-        opt = dmuon.Muon(model, **muon_kwargs(opts.hp))
+    opt = dmuon.Muon(model, **muon_kwargs(opts.hp))
     P = sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
     # Every all-gather in the job is FSDP2's (dmuon issues none): record their sizes.
     # (torch 2.13 FSDP2 calls dist.all_gather_single, older releases dist.all_gather_into_tensor.)

@@ -120,6 +120,16 @@ def misuse_job(rank: int, world: int) -> dict:
     m(tok, tok).loss.backward()
     opt.step()
     out["still_trains"] = ("ok", "", all(torch.isfinite(p).all() for p in dmuon.get_owned_params(m).values()))
+    _optimizer_order_cases(rank, m, opt, tok, mesh, proj, attempt, out)
+    _boundary_cases(mesh, attempt, out)
+    return out
+
+
+def _optimizer_order_cases(rank, m, opt, tok, mesh, proj, attempt, out: dict) -> None:
+    """Calls in the wrong order: zero_grad between backward and step, dmuon.Muon built before fully_shard,
+    settings that differ per rank."""
+    from torch.distributed.fsdp import fully_shard
+
     # zero_grad between backward and step discards the gradients, the reduces still in flight included
     # (torch: step() then has no gradient to apply and leaves every parameter as it is)
     before = {n: p.detach().clone() for n, p in m.named_parameters() if p.untyped_storage().nbytes()}
@@ -129,13 +139,18 @@ def misuse_job(rank: int, world: int) -> dict:
     after = {n: p.detach() for n, p in m.named_parameters() if p.untyped_storage().nbytes()}
     out["zero_grad_discards"] = ("ok", repr(sorted(before)), all(torch.equal(before[n], after[n]) for n in before))
 
+    # dmuon.Muon built before fully_shard holds the params fully_shard replaced: refused at its first use
+    m3 = build_model()
+    dmuon.dedicate_params(m3, mesh, proj)
+    early = dmuon.Muon(m3)
+    fully_shard(m3, mesh=mesh)
+    attempt("muon_before_fully_shard_zero_grad", m3, lambda: early.zero_grad())
+    attempt("muon_before_fully_shard_step", m3, lambda: early.step())
+
     # ranks that disagree on a setting fail together at dedicate_params instead of hanging later
     m2 = build_model()
     attempt("settings_differ_per_rank", m2,
             lambda: dmuon.dedicate_params(m2, mesh, proj, reshard_after_forward=rank == 0))
-
-    _boundary_cases(mesh, attempt, out)
-    return out
 
 
 def _boundary_cases(mesh, attempt, out: dict) -> None:
@@ -182,6 +197,8 @@ def results() -> dict:
         ("muon_takes_model", "TypeError", "list"),
         ("muon_positional_after_lr", "TypeError", "everything else by keyword"),
         ("settings_differ_per_rank", "RuntimeError", "different owner plans or settings"),
+        ("muon_before_fully_shard_zero_grad", "ValueError", "built before fully_shard"),
+        ("muon_before_fully_shard_step", "ValueError", "built before fully_shard"),
         ("add_param_group", "TypeError", "add_param_group"),
         ("strict_multimodal_head", "ValueError", "'head.weight'"),
     ],

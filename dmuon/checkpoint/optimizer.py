@@ -37,7 +37,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
     state = get_state(model)
     if optimizer._dmuon_state is not state:
         raise ValueError("dmuon: this optimizer was built for a different model.")
-    optimizer._follow_model()
+    optimizer._check_fsdp_since_build()
     return state
 
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .._fsdp import cast_dtypes
+from .._fsdp import cast_dtypes, fsdp_modules
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam, is_dedicated
 from ..runtime.precision import check_float_dtype, is_wider
@@ -106,7 +106,8 @@ class Muon(torch.optim.Optimizer):
     ``torch.optim.AdamW``.
 
     ``step()`` waits for the gradient reduces, updates, and leaves every rank ready for the next forward.
-    Build it after the model is materialised (after ``to_empty`` + init when using the meta device).
+    Build it after ``fully_shard`` and after the model is materialised (after ``to_empty`` + init when
+    using the meta device); built before ``fully_shard``, its first ``zero_grad`` / ``step`` raises.
 
     Everything after ``lr`` is keyword-only: ``torch.optim.Muon``'s positional order differs from the
     one dmuon had (its 4th is ``weight_decay``), so a positional call is refused rather than guessed.
@@ -218,13 +219,14 @@ class Muon(torch.optim.Optimizer):
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
         self.master_dtype: torch.dtype | None = master_dtype
         self._generation = state.generation
-        #: Until the first step: the non-dedicated params are looked up again (see :meth:`_follow_model`).
-        self._follow_pending = True
+        #: Whether any FSDP2 module existed when this optimizer was built; checked until the first step
+        #: (see :meth:`_check_fsdp_since_build`).
+        self._fsdp_at_build = bool(fsdp_modules(model))
+        self._check_pending = True
         self._building = True
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
         self._building = False
         self._adamw.state = self.state
-        self._model = model
         state.replicated_params = [p for _, p in replicated]
 
     # ------------------------------------------------------------------ #
@@ -267,28 +269,19 @@ class Muon(torch.optim.Optimizer):
             dp.refresh_master(st["master"])
         return st["master"]
 
-    def _follow_model(self) -> None:
-        """Before the first step: if the model's non-dedicated params were replaced since this optimizer was
-        built (``fully_shard`` after ``dmuon.Muon``, which swaps in DTensor params), take the new ones into
-        the AdamW groups, so they train instead of the stale objects. Once any of them has optimizer state
-        (a step ran, or state was loaded), replacing them is an error, not something to follow."""
-        if not self._follow_pending:
+    def _check_fsdp_since_build(self) -> None:
+        """Until the first step: refuse a model that ``fully_shard`` wrapped after this optimizer was built.
+        ``fully_shard`` swaps the model's other params for DTensors, so the AdamW groups would hold stale
+        objects and the embedding, norms and head would never train. (Re-resolving the params here instead
+        is unsafe: while FSDP2 holds a module unsharded, the module lists its unsharded params.)"""
+        if not self._check_pending:
             return
-        sharded, replicated = _split_params(self._model)
-        now = {"adamw": sharded, "adamw_replicated": replicated}
-        groups = {g["kind"]: g for g in self.param_groups if g["kind"] != "muon"}
-        if all([id(p) for p in groups[k]["params"]] == [id(p) for _, p in now[k]] for k in now):
-            return
-        stale = [n for g in groups.values() for n, p in zip(g["param_names"], g["params"]) if self.state.get(p)]
-        if stale:
-            raise RuntimeError(
-                f"dmuon.Muon: the model's params were replaced after they got optimizer state ({stale[:3]}...): "
-                "build dmuon.Muon after fully_shard (dedicate_params -> fully_shard -> dmuon.Muon)."
+        if not self._fsdp_at_build and fsdp_modules(self._dmuon_state.model):
+            raise ValueError(
+                "dmuon.Muon was built before fully_shard, which has since replaced the model's other params, so "
+                "this optimizer holds stale ones. Build it after fully_shard: dmuon.dedicate_params(model, ...) "
+                "-> fully_shard(...) -> dmuon.Muon(model, ...)."
             )
-        for kind, items in now.items():
-            groups[kind]["params"] = [p for _, p in items]
-            groups[kind]["param_names"] = [n for n, _ in items]
-        self._dmuon_state.replicated_params = [p for _, p in replicated]
 
     def _owned(self) -> dict[int, DedicatedParam]:
         return {id(dp.param): dp for dp in self._dmuon_state.owned()}
@@ -363,7 +356,7 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus every dedicated gradient this rank holds: non-owners'
         local ones (inside ``no_sync``), the owners' wide ``main_grad`` and gradients set aside during
         accumulation. Reduces still in flight are finished first, so none lands in ``.grad`` afterwards."""
-        self._follow_model()
+        self._check_fsdp_since_build()
         self._dmuon_state.finish_reduces()
         super().zero_grad(set_to_none)
         self._dmuon_state.clear_grads(set_to_none=set_to_none)
@@ -381,14 +374,14 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon: the model's dedicated parameters were replaced after this optimizer was built "
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
-        self._follow_model()
+        self._check_fsdp_since_build()
         state.wait_all_reduces()
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._step_muon_group(group, owned)
         self._adamw.step()
-        self._follow_pending = False
+        self._check_pending = False
         state.publish_updates()
         if not self.replicate_async:
             state.wait_all_replicate_broadcasts()
