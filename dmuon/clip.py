@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
@@ -81,13 +80,9 @@ def clip_grad_norm_(
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
     if inf:
-        # MAX is not NaN-safe on every backend (gloo's drops a NaN), so a NaN travels as its own flag
-        packed = torch.stack([torch.nan_to_num(acc, nan=0.0, posinf=math.inf), torch.isnan(acc).float()])
-        C.all_reduce_scalar(ctx, packed, op=dist.ReduceOp.MAX)
-        total = torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
+        total = C.all_reduce_max(ctx, acc)  # NaN-propagating across ranks, whatever the backend's MAX does
     else:
-        C.all_reduce_scalar(ctx, acc, op=dist.ReduceOp.SUM)  # a sum carries NaN and inf like any addition
-        total = acc ** (1.0 / norm_type)
+        total = C.all_reduce_sum(ctx, acc) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

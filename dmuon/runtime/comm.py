@@ -11,6 +11,7 @@ never interleave with the trainer's own (logging all-reduces, checkpoint barrier
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ from torch.profiler import record_function
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg",
-    "wait", "all_reduce_scalar", "all_gather_object", "broadcast_object",
+    "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object", "broadcast_object",
 ]
 
 
@@ -305,12 +306,25 @@ def wait(pending: PendingComm) -> torch.Tensor:
     return pending.tensor
 
 
-def all_reduce_scalar(ctx: CommContext, value: torch.Tensor, *, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
-    """Combine a tensor of a few elements over every rank in place (``SUM`` or ``MAX``) and wait; not
-    counted, since it is a few bytes (the clip norm and its NaN flag)."""
+def all_reduce_sum(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor of a few elements over every rank and wait (a NaN or inf carries through, as in any
+    addition). Not counted: a few bytes (the clip norm)."""
     if ctx.world_size > 1:
-        dist.all_reduce(value, op=op, group=ctx.groups[Dim.WORLD])
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=ctx.groups[Dim.WORLD])
     return value
+
+
+def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of a few-element tensor over every rank, NaN-propagating like
+    ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so whether any rank had one travels
+    as a flag beside the values. Returns a new tensor; not counted."""
+    if ctx.world_size == 1:
+        return value
+    packed = torch.cat([torch.nan_to_num(value, nan=-math.inf, posinf=math.inf, neginf=-math.inf).reshape(-1),
+                        torch.isnan(value).reshape(-1).to(value.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.groups[Dim.WORLD])
+    n = value.numel()
+    return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
 
 
 def all_gather_object(ctx: CommContext, obj: object) -> list[object]:

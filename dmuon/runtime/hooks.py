@@ -306,9 +306,8 @@ class DMuonState:
             g.wait_all_publishes()
 
     def clear_grads(self, *, set_to_none: bool) -> None:
-        """``Muon.zero_grad``: finish reduces in flight (their result would otherwise land in ``.grad``
-        after this call), then drop every dedicated gradient this rank holds."""
-        self.finish_reduces()
+        """``Muon.zero_grad``, after :meth:`finish_reduces` (a reduce still in flight would otherwise land in
+        ``.grad`` afterwards; ``DedicatedParam.clear`` refuses REDUCING): drop every dedicated gradient."""
         for dp in self.dedicated():
             dp.clear(set_to_none=set_to_none)
 
