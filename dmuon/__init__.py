@@ -16,18 +16,20 @@ from .api import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, install_torch_clip_routing
 from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from .dedicate import dedicate_params
 from .optim.newton_schulz import newton_schulz
 from .optim import Muon
 from .partition import OwnerPlan
 from .runtime.group import GroupState
+from .runtime.guard import NotHeldError
 
 __all__ = [
     "Muon",
     "OwnerPlan",
     "GroupState",
+    "NotHeldError",
     "broadcast_all_updates",
     "clip_grad_norm_",
     "dedicate_params",
@@ -51,3 +53,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 install_patch()
+install_torch_clip_routing()

@@ -14,7 +14,10 @@ norm identical everywhere:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -22,10 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from .runtime import comm as C
-from .runtime.hooks import get_state
+from .runtime.hooks import DMuonState, get_state, live_states
 from .runtime.param import is_dedicated
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "install_torch_clip_routing"]
 
 
 def _counts_here(g: DTensor) -> bool:
@@ -46,6 +49,7 @@ def clip_grad_norm_(
     one process, and is the same tensor (float32, on dmuon's device) on every rank. A NaN or inf in any
     gradient on any rank makes it NaN / inf everywhere, as torch's does (for ``norm_type=inf`` too, where a
     backend's MAX could drop a NaN), so ``error_if_nonfinite=True`` raises on every rank together.
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on a dmuon model comes here too.
 
     Example::
 
@@ -53,19 +57,25 @@ def clip_grad_norm_(
         norm = dmuon.clip_grad_norm_(model, max_norm=1.0)
         optimizer.step()
     """
+    return _clip(get_state(model), list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+
+
+@torch.no_grad()
+def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_type: float,
+          error_if_nonfinite: bool) -> torch.Tensor:
+    """The norm over ``params`` (parameters of ``state``'s model, the same list on every rank), and clip."""
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not max_norm >= 0 or math.isnan(max_norm):
         raise ValueError(f"dmuon.clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
     if not (norm_type > 0 or math.isinf(norm_type)):
         raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}")
-    state = get_state(model)
     state.wait_all_reduces()
     ctx = state.ctx
     inf = math.isinf(norm_type)
     grads: list[torch.Tensor] = []  # local tensors to scale
     acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     main_grads = {id(dp.param): dp.main_grad for dp in state.dedicated() if dp.main_grad is not None}
-    for p in model.parameters():
+    for p in params:
         g = main_grads.get(id(p), p.grad)
         if not p.requires_grad or g is None:
             continue
@@ -90,3 +100,85 @@ def clip_grad_norm_(
         # the fp32 factor as is: rounding it to a bf16 gradient's dtype first would scale by up to 0.4% off
         local.mul_(coef.to(local.device))
     return total
+
+
+# ---------------------------------------------------------------------- #
+# torch's own clip functions on a dmuon model                              #
+# ---------------------------------------------------------------------- #
+# [Note: torch's clip on a dmuon model]
+# ``torch.nn.utils.clip_grad_norm_`` adds up what each rank sees: owned dedicated gradients, DTensor
+# shards, plain gradients, and nothing for dedicated gradients owned elsewhere, so each rank would get a
+# different, wrong norm (or torch's "mixed torch.Tensor and DTensor" error). ``import dmuon`` therefore
+# routes ``torch.nn.utils.clip_grad_norm_`` (both names torch exports it under) to :func:`_clip` when the
+# parameters belong to a dmuon model: the true global norm, clipped, on every rank alike. A reference
+# bound before ``import dmuon`` (``from torch.nn.utils import clip_grad_norm_``) and
+# ``torch.nn.utils.get_total_norm`` see only gradients, not parameters; given gradients of a dmuon model
+# they raise, naming dmuon.clip_grad_norm_, on every rank (every rank passes the FSDP2 and plain ones).
+
+
+def _state_of(params: list[torch.Tensor]) -> DMuonState | None:
+    """The dmuon model the dedicated parameters among ``params`` belong to (``None``: no dedicated one)."""
+    if not any(is_dedicated(p) for p in params):
+        return None
+    ids = {id(p) for p in params}
+    hits = [st for st in live_states() if any(id(dp.param) in ids for dp in st.dedicated())]
+    if len(hits) != 1:
+        raise ValueError("dmuon: torch.nn.utils.clip_grad_norm_ over dedicated parameters of "
+                         f"{len(hits)} dmuon models; clip each with dmuon.clip_grad_norm_(model, max_norm).")
+    return hits[0]
+
+
+def _dmuon_grad_ids() -> set[int]:
+    out: set[int] = set()
+    for st in live_states():
+        out.update(id(p.grad) for p in st.model.parameters() if p.grad is not None)
+        out.update(id(dp.main_grad) for dp in st.dedicated() if dp.main_grad is not None)
+    return out
+
+
+def _routed_clip(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        state = _state_of(params)
+        if state is None:
+            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip(state, params, max_norm, norm_type, error_if_nonfinite)
+
+    clip_grad_norm_._dmuon_original = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+def _checked_total_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def get_total_norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        ours = _dmuon_grad_ids() if live_states() else set()
+        if any(id(t) in ours for t in ts):
+            raise RuntimeError(
+                "dmuon: torch.nn.utils.get_total_norm (or a clip_grad_norm_ imported before dmuon) over "
+                "gradients of a dmuon model: a dedicated gradient lives only on its owner, so every rank "
+                "would get a different norm. Use dmuon.clip_grad_norm_(model, max_norm), or call "
+                "torch.nn.utils.clip_grad_norm_ by its module path after import dmuon."
+            )
+        return original(ts, *args, **kwargs)
+
+    get_total_norm._dmuon_original = original  # type: ignore[attr-defined]
+    return get_total_norm
+
+
+def install_torch_clip_routing() -> None:
+    """Route torch's clip functions on dmuon models (see [Note: torch's clip on a dmuon model]).
+    Idempotent; ``import dmuon`` calls it."""
+    import torch.nn.utils as U
+    import torch.nn.utils.clip_grad as CG
+
+    if not hasattr(CG.clip_grad_norm_, "_dmuon_original"):
+        routed = _routed_clip(CG.clip_grad_norm_)
+        CG.clip_grad_norm_ = routed
+        U.clip_grad_norm_ = routed
+    if not hasattr(CG._get_total_norm, "_dmuon_original"):
+        checked = _checked_total_norm(CG._get_total_norm)
+        CG._get_total_norm = checked
+        U.get_total_norm = checked

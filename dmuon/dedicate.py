@@ -336,6 +336,7 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     state = DMuonState(model, ctx, config, groups)
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
+    state.install_module_guards()
     return state
 
 

@@ -40,7 +40,9 @@ def _oracle() -> dict:
             "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
-def clip_job(rank: int, world: int, layout: str) -> dict:
+def clip_job(rank: int, world: int, layout: str, via: str) -> dict:
+    """``via="torch"``: clip with ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as an
+    unchanged script would (``import dmuon`` routes it; see [Note: torch's clip on a dmuon model])."""
     if layout == "hsdp":
         mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -60,8 +62,12 @@ def clip_job(rank: int, world: int, layout: str) -> dict:
         loss = model(tok[lo:hi].to(device()), tgt[lo:hi].to(device())).loss
         loss.backward()
         # the infinity norm first, with a bound it never reaches, so it clips nothing
-        inf_norms.append(dmuon.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
-        norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())
+        if via == "torch":
+            inf_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=float("inf")).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        else:
+            inf_norms.append(dmuon.clip_grad_norm_(model, 1e9, norm_type=float("inf")).item())
+            norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())
         opt.step()
         logged = loss.detach().clone()
         torch.distributed.all_reduce(logged, op=torch.distributed.ReduceOp.AVG)
@@ -74,9 +80,10 @@ def oracle() -> dict:
     return _oracle()
 
 
-@pytest.mark.parametrize("world, layout", [(2, "fsdp"), (2, "plain"), (4, "hsdp")])
-def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout):
-    results = run_distributed(clip_job, world, layout)
+@pytest.mark.parametrize("world, layout, via", [(2, "fsdp", "dmuon"), (2, "plain", "dmuon"), (4, "hsdp", "dmuon"),
+                                               (2, "fsdp", "torch")])
+def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout, via):
+    results = run_distributed(clip_job, world, layout, via)
     assert oracle["norms"][0] > MAX_NORM, "the test must actually clip"
     for rank, r in enumerate(results):
         assert r["norms"] == results[0]["norms"], f"rank {rank} sees another norm"

@@ -61,6 +61,7 @@ from . import comm as C
 from .comm import CommKind
 from .config import RuntimeConfig
 from .errors import raise_internal
+from .guard import INFO_ATTR, internal, set_held
 from .param import DedicatedParam
 from .precision import is_wider
 
@@ -183,6 +184,9 @@ class BoundaryGroup:
     # ------------------------------------------------------------------ #
     # Binding (parameters <-> bucket buffers)                              #
     # ------------------------------------------------------------------ #
+    def is_bound(self) -> bool:
+        return self._bound
+
     def needs_bind(self) -> bool:
         return not self._bound or any(dp.current() is not dp.param for dp in self.params)
 
@@ -197,7 +201,7 @@ class BoundaryGroup:
         """
         if self._bound:
             self._assert_in("rebind", GroupState.SHARDED)
-        with torch.no_grad():
+        with torch.no_grad(), internal():
             for b in self.buckets:
                 self._bind_bucket(b, register_hooks)
         self.state = GroupState.SHARDED
@@ -221,9 +225,11 @@ class BoundaryGroup:
                 view.copy_(value)  # rounds to the compute dtype under param_dtype
             master = value.to(dp.dtype, copy=True) if dp.is_owner and dp.compute_dtype != dp.dtype else None
             dp.bind(p, view, master)
+            setattr(p, INFO_ATTR, (dp.fqn, self.ctx.global_rank(C.Dim.WORLD, dp.owner)))
             register_hooks(dp)
         if not self.is_holder(b):
             flat.untyped_storage().resize_(0)
+            self._set_held(b, False)
         b.flat = flat
         b.pending_publish.clear()
         # other rows' holders may have initialised differently: the owners' values win
@@ -259,6 +265,9 @@ class BoundaryGroup:
         for pending in self._pending_unshard:
             C.wait(pending)
         self._pending_unshard.clear()
+        for b in self.buckets:
+            if not self.is_holder(b):
+                self._set_held(b, True)
         self.state = GroupState.UNSHARDED
 
     def ensure_unsharded(self, kind: CommKind) -> None:
@@ -277,7 +286,15 @@ class BoundaryGroup:
         for b in self.buckets:
             if not self.is_holder(b):
                 b.buffer().untyped_storage().resize_(0)
+                self._set_held(b, False)
         self.state = GroupState.SHARDED
+
+    @staticmethod
+    def _set_held(b: Bucket, held: bool) -> None:
+        """Non-holders: the params' class follows their storage. See [Note: unheld parameters] in
+        ``dmuon/runtime/guard.py``."""
+        for dp in b.params:
+            set_held(dp.bound(), held)
 
     # ------------------------------------------------------------------ #
     # HSDP: holders of other replicate rows follow the owner               #

@@ -43,6 +43,7 @@ from . import comm as C
 from .comm import CommKind
 from .config import RuntimeConfig
 from .group import BoundaryGroup, GroupState
+from .guard import guard_modules
 from .param import DedicatedParam, GradState
 from .prefetch import Prefetcher
 from .replicated import all_reduce_replicated_grads
@@ -96,6 +97,8 @@ class DMuonState:
         self._group_of = {dp: g for g in self.groups for dp in g.params}
         self._callback_queued = False
         self._handles: list[RemovableHandle] = []
+        self._undo_guards: list[Callable[[], None]] = []
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ #
     # Introspection                                                        #
@@ -140,6 +143,34 @@ class DMuonState:
         accumulates into it (accumulation without ``no_sync``). The hook stays until ``Muon.zero_grad``."""
         if dp.stash_hook is None:
             dp.arm_stash(dp.bound().register_hook(_weak_hook(self, dp, DMuonState._on_grad)))
+
+    def install_module_guards(self) -> None:
+        """``state_dict`` / ``load_state_dict`` / ``to`` on every module with a dedicated parameter at or
+        below it. See [Note: module guards] in ``dmuon/runtime/guard.py``."""
+        paths: dict[str, None] = {}
+        for dp in self.dedicated():
+            parts = dp.fqn.split(".")[:-1]
+            for i in range(len(parts), -1, -1):
+                paths.setdefault(".".join(parts[:i]))
+        self._undo_guards = guard_modules([self.model.get_submodule(p) for p in paths], self.check_conversion)
+
+    def check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Refuse (on every rank alike) a ``Module._apply`` that would move or cast a bound dedicated
+        parameter; it would leave dmuon's buffers behind. Materialising a meta model passes."""
+        if any(not g.is_bound() or g.is_meta() for g in self.groups):
+            return
+        for dtype in sorted({dp.compute_dtype for dp in self.dedicated()}, key=str):
+            probe = torch.empty(0, dtype=dtype, device=self.ctx.device)
+            with torch.no_grad():
+                out = fn(probe)
+            if not isinstance(out, torch.Tensor) or (out.dtype, out.device) != (probe.dtype, probe.device):
+                got = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else repr(out)
+                raise RuntimeError(
+                    f"dmuon: a module conversion (model.to / .cuda / .float / ...) would turn dedicated "
+                    f"parameters of {dtype} on {probe.device} into {got}, after dedicate_params bound them to "
+                    "dmuon's buffers. Move and cast the model before dedicate_params (for a compute dtype use "
+                    "dedicate_params(param_dtype=...)); nothing was changed."
+                )
 
     def install_hooks(self) -> None:
         for g in self.groups:
@@ -329,6 +360,15 @@ def _weak_hook(state: DMuonState, dp: DedicatedParam, method: Callable[[DMuonSta
             method(st, d)
 
     return hook
+
+
+#: Every model state alive in this process (for the routing of torch's clip functions, ``dmuon/clip.py``).
+_LIVE: weakref.WeakSet[DMuonState] = weakref.WeakSet()
+
+
+def live_states() -> list[DMuonState]:
+    """The dmuon model states alive in this process."""
+    return list(_LIVE)
 
 
 def get_state(model: nn.Module) -> DMuonState:

@@ -13,9 +13,11 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 import dmuon
 
+from ...runtime.guard import internal
 from ...runtime.hooks import STATE_ATTR
 from ._fused_qkv import _fused_qkv_modules, _merge_fused_qkv, _split_fused_qkv
 from .parallelize import _adopt
+
 
 
 def _has_dmuon(model: nn.Module) -> bool:
@@ -114,9 +116,10 @@ class DMuonCheckpointManager(CheckpointManager):
         for m in model_parts:  # before the stock ModelWrapper reads model.state_dict() once
             if _has_dmuon(m):
                 _adopt(m)
-        super().__init__(
-            config, dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
-            lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter, base_folder=base_folder,
-        )
+        with internal():  # the stock ModelWrapper it builds reads model.state_dict() once; replaced below
+            super().__init__(
+                config, dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
+                lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter, base_folder=base_folder,
+            )
         if self.enable:
             self.states[MODEL] = DMuonModelWrapper(model_parts)
