@@ -16,6 +16,7 @@ from ..runtime import comm as C
 from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam
+from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
     bcast_from_rank0,
@@ -65,7 +66,8 @@ def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
 
 
 def get_model_state_dict(
-    model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = False, sharded: bool = False
+    model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = False, sharded: bool = False,
+    checksums: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by FQN. Collective.
 
@@ -73,6 +75,12 @@ def get_model_state_dict(
     others ``{}``), on CPU unless ``cpu_offload=False``; loadable into a plain single-process model.
     ``sharded=True``: for ``torch.distributed.checkpoint``; FSDP2 params as DTensors, each dedicated
     tensor only on its owner, the live tensors themselves (so ``dcp.load`` fills the model in place).
+
+    Each tensor's checksum travels with it (full: a ``_dmuon_checksum`` attribute that ``torch.save`` /
+    ``torch.load`` keep; sharded: one extra ``"_dmuon_checksums"`` entry), and
+    :func:`set_model_state_dict` refuses values that do not match: a flipped byte, a torn save.
+    ``checksums=False`` leaves them out (a sharded dict to ``dcp.load`` a checkpoint written without
+    dmuon, which has no such entry).
 
     Example::
 
@@ -88,8 +96,9 @@ def get_model_state_dict(
     ctx = state.ctx
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
+    entries = _model_entries(model, state)
     with torch.no_grad():
-        for e in _model_entries(model, state):
+        for e in entries:
             mine = e.dp is not None and e.dp.owner == ctx.rank
             if sharded:
                 if e.kind is not _Kind.DEDICATED or mine:
@@ -108,7 +117,37 @@ def get_model_state_dict(
                 value = e.tensor.detach().clone()
             if keep:
                 out[e.key] = value.cpu() if cpu_offload else value
+    if not checksums:
+        return out
+    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries})
+    if sharded:
+        out[CHECKSUMS_KEY] = sums
+    else:
+        for key, value in out.items():
+            setattr(value, CHECKSUM_ATTR, sums[key])
     return out
+
+
+def _items(entries: list[_Entry]) -> list[Item]:
+    return [Item(e.key, e.dp.owner if e.kind is _Kind.DEDICATED and e.dp is not None else None, e.tensor)
+            for e in entries]
+
+
+def _verify_checksums(state: DMuonState, entries: list[_Entry], sd: Mapping[str, Any], mode: Mode,
+                      sharded: bool) -> None:
+    """Compare the incoming tensors with the checksums the dict carries (where it carries any); raise on
+    every rank together. Full dicts: before anything is written. Collective."""
+    bad = mismatches(state.ctx, _items(entries), sd, stored(sd, sd.get(CHECKSUMS_KEY)), rank0_only=mode is Mode.RANK0)
+    if not bad:
+        return
+    if sharded:
+        raise ValueError(
+            "dmuon.set_model_state_dict: " + listing("checksums do not match", bad) + ". The checkpoint is corrupted "
+            "or torn (the data of one save under the metadata of another); dcp.load already wrote these values "
+            "into the model, so load another checkpoint before training on."
+        )
+    raise ValueError("dmuon.set_model_state_dict: " + listing("checksums do not match", bad)
+                     + ". The file is corrupted or mixed from different saves; nothing was changed.")
 
 
 def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) -> list[str]:
@@ -118,7 +157,7 @@ def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) 
         if not (sharded and e.kind is _Kind.DEDICATED and e.dp is not None and e.dp.owner != rank)
     }
     missing = [k for k in expected if k not in sd]
-    unexpected = [str(k) for k in sd if k not in expected]
+    unexpected = [str(k) for k in sd if k not in expected and k != CHECKSUMS_KEY]
     shapes, dtypes = [], []
     for k, e in expected.items():
         if k not in sd:
@@ -162,6 +201,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     fp = "" if sharded else structure_fingerprint(dict(state_dict))
     mode = detect_mode(state, "set_model_state_dict", has, errors, fp)
     with torch.no_grad():
+        _verify_checksums(state, entries, state_dict, mode, sharded)
         for e in entries:
             mine = e.dp is not None and e.dp.owner == ctx.rank
             if e.kind is _Kind.DEDICATED:

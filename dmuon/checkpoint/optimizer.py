@@ -16,6 +16,7 @@ from ..runtime import comm as C
 from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam
+from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
     bcast_from_rank0,
@@ -134,13 +135,40 @@ def get_optimizer_state_dict(
         {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "param_names": names}
         for g, names in zip(opt.param_groups, _group_names(opt, state))
     ]
+    sums = _state_checksums(opt, state, muon_meta, adamw_present)
     if rank0_only and not sharded and dist.get_rank() != 0:
         return {}
+    if sharded:
+        return {"state": out_state, "param_groups": groups, CHECKSUMS_KEY: sums}
+    for name, entry in out_state.items():
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                setattr(v, CHECKSUM_ATTR, sums[f"{name}.{k}"])
     return {"state": out_state, "param_groups": groups}
 
 
+def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], adamw_present: list[str]
+                     ) -> dict[str, int]:
+    """The checksum of every state tensor (``"fqn.name"``) from the live state. Collective."""
+    ctx = state.ctx
+    items, live = [], {}
+    for dp in state.dedicated():
+        for k, _, _ in muon_meta.get(dp.fqn, []):
+            items.append(Item(f"{dp.fqn}.{k}", dp.owner, None))
+            if dp.owner == ctx.rank:
+                live[f"{dp.fqn}.{k}"] = opt.state[dp.param][k]
+    present = set(adamw_present)
+    for name, p, _ in _adamw_params(opt):
+        if name in present:
+            for k, v in sorted(opt.state[p].items()):
+                if isinstance(v, torch.Tensor):
+                    items.append(Item(f"{name}.{k}", None, p))
+                    live[f"{name}.{k}"] = v
+    return collect(ctx, items, live)
+
+
 def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
-    if not isinstance(sd, Mapping) or set(sd) != {"state", "param_groups"}:
+    if not isinstance(sd, Mapping) or set(sd) - {CHECKSUMS_KEY} != {"state", "param_groups"}:
         keys = sorted(map(str, sd)) if isinstance(sd, Mapping) else type(sd).__name__
         return [f"expected a dict with 'state' and 'param_groups', got {keys}"]
     groups, st = sd["param_groups"], sd["state"]
@@ -220,10 +248,29 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     prepare(model)
     mode = _agree(optimizer, state, state_dict)
     groups, structure, local_state = _sources(state, state_dict, mode)
+    _verify_checksums(optimizer, state, state_dict, mode, structure, local_state)
     with torch.no_grad():
         new_state = _muon_state_to_load(optimizer, state, mode, structure, local_state)
         new_state.update(_adamw_state_to_load(optimizer, state, mode, structure, local_state))
     optimizer._replace_state(new_state, groups)
+
+
+def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode: Mode, structure: dict | None,
+                      local_state: Mapping[str, Any]) -> None:
+    """Compare the incoming state tensors with the checksums the dict carries (where it carries any); raise
+    on every rank together, before the optimizer changes. Collective."""
+    items = [Item(f"{dp.fqn}.{k}", dp.owner, None) for dp in state.dedicated()
+             for k in sorted(_muon_state_dtypes(opt, dp))]
+    for name, p, _ in _adamw_params(opt):
+        keys = (structure or {}).get(name, {}) if mode is Mode.RANK0 else local_state.get(name, {})
+        items += [Item(f"{name}.{k}", None, p) for k in sorted(keys)]
+    values = {f"{n}.{k}": v for n, e in local_state.items() if isinstance(e, Mapping) for k, v in e.items()}
+    table = sd.get(CHECKSUMS_KEY) if isinstance(sd, Mapping) else None
+    bad = mismatches(state.ctx, items, values, stored(values, table), rank0_only=mode is Mode.RANK0)
+    if bad:
+        raise ValueError("dmuon.set_optimizer_state_dict: " + listing("checksums do not match", bad)
+                         + ". The checkpoint is corrupted or mixed from different saves; the optimizer was not "
+                         "changed (after dcp.load its live tensors already hold these values).")
 
 
 def _agree(opt: Muon, state: DMuonState, state_dict: Any) -> Mode:

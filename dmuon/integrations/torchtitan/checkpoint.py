@@ -13,6 +13,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 import dmuon
 
+from ...checkpoint.checksum import CHECKSUMS_KEY
 from ...runtime.guard import internal
 from ...runtime.hooks import STATE_ATTR
 from ._fused_qkv import _fused_qkv_modules, _merge_fused_qkv, _split_fused_qkv
@@ -66,7 +67,8 @@ class DMuonModelWrapper(ModelWrapper):
     @staticmethod
     def _keys_of(model: nn.Module) -> list[str]:
         """This rank's checkpoint keys for ``model`` (no tensor data is read)."""
-        keys = dict.fromkeys(dmuon.get_model_state_dict(model, sharded=True))
+        keys = dict.fromkeys(dmuon.get_model_state_dict(model, sharded=True, checksums=False))
+        keys[CHECKSUMS_KEY] = None
         for prefix, _ in _fused_qkv_modules(model):
             for param in ("weight", "bias"):
                 fused = f"{prefix}wqkv.{param}"

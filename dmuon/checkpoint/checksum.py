@@ -1,0 +1,212 @@
+"""Per-tensor checksums that do not depend on how a tensor is sharded, so a save on 8 ranks verifies on
+a load on 2, and each rank only reads its own share.
+
+[Note: checkpoint checksums]
+``torch.load`` does not check its zip records, and DCP keeps no checksum, so a flipped byte or a torn
+save (metadata of one save, data of another) loads silently. dmuon's state dicts carry, per tensor,
+
+    C(t) = sum_i  r(w_i) * ((i mod L) + 1)   (mod P),   P = 2^31 - 1, L = 2^15,
+
+over the tensor's raw bits ``w_i`` read as signed words (int8 / int16 / int32: one word per element of
+1 / 2 bytes, ``element_size / 4`` words of 4 bytes otherwise) at global flat word index ``i``. It is a
+sum over positions, so each rank adds the part it holds (a dedicated tensor: its owner; a DTensor shard:
+its own range, at its global offset; a replicated tensor: rank 0) and one all-reduce gives C.
+
+Why it catches what it should, exactly: a changed byte changes one word by ``d = c * 2^(8k)``, 0 < |c| <
+256, k < 4; P is prime and divides neither ``d`` (|d| < 2^32 and ``d`` is not ±P or ±2P) nor the weight
+(1..L), so C changes. Data from another save differs in many words and matches only by a 1-in-P chance.
+
+Why it is exact in int64 on any device: per row of L words, |w| < 2^31 and the weights sum to
+L(L+1)/2 < 2^29, so a row sum stays below 2^60 before it is reduced mod P; the row sums mod P then add
+up over at most 2^33 / L rows, far below 2^63.
+
+Where the values live: a full state dict's tensors carry theirs as the attribute ``_dmuon_checksum``,
+which ``torch.save`` / ``torch.load`` (also ``weights_only=True``) keep and ``load_state_dict`` ignores, so
+the dict still loads into a plain model; a sharded (DCP) dict has one extra entry, ``_dmuon_checksums``
+(FQN -> int), that DCP saves and loads like any other object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate
+
+from ..runtime import comm as C
+
+__all__ = ["P", "CHECKSUM_ATTR", "CHECKSUMS_KEY", "Item", "checksum_part", "collect", "mismatches", "stored"]
+
+P = 2**31 - 1
+L = 2**15
+#: attribute on the tensors of a full state dict
+CHECKSUM_ATTR = "_dmuon_checksum"
+#: the extra entry of a sharded state dict
+CHECKSUMS_KEY = "_dmuon_checksums"
+
+_WORD = {1: torch.int8, 2: torch.int16}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (flattened) as signed words."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    size = flat.element_size()
+    if size in _WORD:
+        return flat.view(_WORD[size])
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.int32)
+
+
+def _weighted_mod(words: torch.Tensor, start: int) -> torch.Tensor:
+    """``sum_j words[j] * (((start + j) mod L) + 1) mod P`` as an int64 scalar on ``words``' device."""
+    n = words.numel()
+    dev = words.device
+    total = torch.zeros((), dtype=torch.int64, device=dev)
+    if n == 0:
+        return total
+    head = min(n, (-start) % L)
+    pieces = []
+    if head:
+        pieces.append((words[:head], start % L))
+    body = (n - head) // L * L
+    tail = n - head - body
+    if tail:
+        pieces.append((words[head + body:], 0))
+    for piece, first in pieces:
+        w = torch.arange(first + 1, first + 1 + piece.numel(), dtype=torch.int64, device=dev)
+        total = total + (piece.to(torch.int64) * w).sum() % P
+    if body:
+        base = torch.arange(1, L + 1, dtype=torch.int64, device=dev)
+        rows = words[head:head + body].view(-1, L)
+        step = max(1, (1 << 24) // L)  # rows per slice: bounded temporaries (128 MiB of int64)
+        for r in range(0, rows.shape[0], step):
+            total = total + ((rows[r:r + step].to(torch.int64) * base).sum(dim=1) % P).sum()
+    return total % P
+
+
+def checksum_part(t: torch.Tensor, word_offset: int = 0) -> torch.Tensor:
+    """This part of the checksum: ``t`` holds the words of the whole tensor starting at global word index
+    ``word_offset``. ``checksum_part(full)`` is the whole checksum."""
+    return _weighted_mod(_words(t), word_offset)
+
+
+def words_per_element(dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return 1 if size <= 2 or dtype == torch.bool else size // 4
+
+
+def shard_range(t: DTensor) -> tuple[int, int] | None:
+    """``(first element, element count)`` of this rank's shard of ``t`` in the row-major full tensor, as
+    this rank counts it for the checksum: ``(0, 0)`` where another rank counts it (replicated mesh dims
+    count at coordinate 0) or this rank is not in the mesh. ``None``: the shard is not one contiguous
+    range (sharding along another dim), so coordinate 0 counts the full tensor."""
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return 0, 0
+    chunks = t.__create_chunk_list__() if hasattr(t, "__create_chunk_list__") else []
+    shape = tuple(t.shape)
+    if len(chunks) != 1 or tuple(chunks[0].sizes)[1:] != shape[1:] or not t.to_local().is_contiguous():
+        return None
+    if not all(c == 0 for c, pl in zip(coord, t.placements) if isinstance(pl, Replicate)):
+        return 0, 0
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    first = int(chunks[0].offsets[0]) * row if shape else 0
+    return first, t.to_local().numel()
+
+
+def counts_full(t: DTensor) -> bool:
+    """Where :func:`shard_range` is ``None``: whether this rank counts the full tensor."""
+    coord = t.device_mesh.get_coordinate()
+    return coord is not None and all(c == 0 for c in coord)
+
+
+def dtensor_part(t: DTensor) -> torch.Tensor:
+    """This rank's part of a DTensor's checksum (see :func:`shard_range`)."""
+    rng = shard_range(t)
+    if rng is None:
+        full = t.full_tensor()  # collective: every rank takes this branch for the same tensor
+        return checksum_part(full) if counts_full(t) else torch.zeros((), dtype=torch.int64, device=full.device)
+    first, n = rng
+    local = t.to_local()
+    if n == 0:
+        return torch.zeros((), dtype=torch.int64, device=local.device)
+    return checksum_part(local, first * words_per_element(t.dtype))
+
+
+# ---------------------------------------------------------------------- #
+# One state dict's checksums, collectively                                 #
+# ---------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class Item:
+    """One tensor of a state dict and who counts it: its ``owner`` slot (a dedicated tensor and its
+    optimizer state), or, with ``owner=None``, the shards of the live DTensor ``layout`` (a tensor of its
+    shape) / slot 0 for anything else (a replicated tensor, a scalar ``step``)."""
+
+    key: str
+    owner: int | None
+    layout: torch.Tensor | None
+
+
+def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool) -> torch.Tensor:
+    zero = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    if not isinstance(v, torch.Tensor):
+        return zero
+    if everything_here:
+        return checksum_part(v.detach().to(ctx.device))
+    if item.owner is not None:
+        return checksum_part(v.detach().to(ctx.device)) if item.owner == ctx.rank else zero
+    if isinstance(v, DTensor):
+        return dtensor_part(v).to(ctx.device)
+    if not isinstance(item.layout, DTensor) or tuple(item.layout.shape) != tuple(v.shape):
+        return checksum_part(v.detach().to(ctx.device)) if ctx.rank == 0 else zero
+    rng = shard_range(item.layout)  # a full value for an FSDP2 tensor: this rank's shard of it
+    if rng is None:
+        return checksum_part(v.detach().to(ctx.device)) if counts_full(item.layout) else zero
+    first, n = rng
+    if n == 0:
+        return zero
+    return checksum_part(v.detach().reshape(-1)[first:first + n].to(ctx.device), first * words_per_element(v.dtype))
+
+
+def collect(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], *,
+            everything_here: bool = False) -> dict[str, int]:
+    """Every item's checksum over ``values`` (live tensors or an incoming dict; a key may be absent where
+    this rank holds no part). Collective, one all-reduce: each rank adds the part it counts;
+    ``everything_here``: this rank holds all of every value (a rank-0-only dict on rank 0), the others
+    none. Parts are summed on the device, so only this rank's share is read."""
+    if not items:
+        return {}
+    with torch.no_grad():
+        parts = torch.stack([_part(it, values.get(it.key), ctx, everything_here) for it in items])
+        total = C.all_reduce_sum(ctx, parts) % P
+    return dict(zip((it.key for it in items), (int(x) for x in total.tolist())))
+
+
+def stored(values: Mapping[str, Any], table: Any) -> dict[str, int]:
+    """The checksums a dict carries: its ``_dmuon_checksums`` table (sharded) or its tensors' attributes."""
+    if isinstance(table, Mapping):
+        return {str(k): int(v) for k, v in table.items()}
+    return {k: int(getattr(v, CHECKSUM_ATTR)) for k, v in values.items() if hasattr(v, CHECKSUM_ATTR)}
+
+
+def mismatches(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], expected: Mapping[str, int],
+               *, rank0_only: bool) -> list[str]:
+    """The keys whose incoming values do not match the checksums global rank 0 sees in ``expected`` (keys
+    without one are not checked; none at all: nothing is read). The same list on every rank. Collective."""
+    me = dist.get_rank() == 0
+    with torch.no_grad():
+        want = C.all_reduce_sum(ctx, torch.tensor([expected.get(it.key, -1) + 1 if me else 0 for it in items],
+                                                  dtype=torch.int64, device=ctx.device)).tolist()
+    if not any(want):
+        return []
+    got = collect(ctx, items, values, everything_here=rank0_only and me)
+    return [it.key for it, w in zip(items, want) if w and got[it.key] != w - 1]
