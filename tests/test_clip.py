@@ -144,3 +144,45 @@ def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank(bad):
             got, want = r[norm_type], torch_norm(norm_type)
             assert (got != got and want != want) or got == want, (rank, norm_type, got, want)
         assert "total norm" in r["raised"], (rank, r["raised"])
+
+
+def nan_weights_job(rank: int, world: int) -> dict:
+    """What a NaN gradient (one element of a matrix rank 1 owns) does to the weights after one step:
+    without clipping, with clipping, and with ``error_if_nonfinite=True`` (the step skipped)."""
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    out = {}
+    for case in ("no_clip", "clip", "error_if_nonfinite"):
+        model = build_model().to(device())
+        dmuon.dedicate_params(model, mesh, projection_predicate)
+        fully_shard(model, mesh=mesh)
+        opt = dmuon.Muon(model, lr=0.01)
+        tok, tgt = batches(1)[0]
+        per = GLOBAL_BATCH // world
+        model(tok[rank * per:(rank + 1) * per].to(device()), tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()
+        grads = dmuon.get_owned_grads(model)
+        poisoned = sorted(dmuon.get_owned_params(model, rank=1))[0]
+        if rank == 1:
+            grads[poisoned].view(-1)[0] = float("nan")
+        if case == "clip":
+            dmuon.clip_grad_norm_(model, 1.0)
+        if case == "error_if_nonfinite":
+            try:
+                dmuon.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+            except RuntimeError:
+                opt.zero_grad()  # what a training loop does with the error: skip this step
+        opt.step()
+        w = full_weights(model)
+        out[case] = {"poisoned": poisoned, "nan": sorted(k for k, v in w.items() if torch.isnan(v).any()),
+                     "all": sorted(w)}
+    return out
+
+
+def test_what_a_nan_gradient_does_to_the_weights():
+    """As documented in README (Gradient clipping): without clipping only the matrix with the NaN gradient
+    turns NaN; clipping by the NaN norm turns every trained weight NaN, on every rank (torch's clip does the
+    same on one process); error_if_nonfinite=True raises on every rank before anything is scaled, so the
+    step can be skipped and nothing turns NaN."""
+    for rank, r in enumerate(run_distributed(nan_weights_job, 2)):
+        assert r["no_clip"]["nan"] == [r["no_clip"]["poisoned"]], (rank, r["no_clip"])
+        assert r["clip"]["nan"] == r["clip"]["all"], (rank, sorted(set(r["clip"]["all"]) - set(r["clip"]["nan"])))
+        assert r["error_if_nonfinite"]["nan"] == [], (rank, r["error_if_nonfinite"])
