@@ -82,6 +82,13 @@ class DMuonCheckpointManager(CheckpointManager):
     """torchtitan's DCP ``CheckpointManager`` that saves and restores the model through
     :class:`DMuonModelWrapper` (the optimizer container's own ``state_dict`` already goes through dmuon).
 
+    A crash mid-save keeps the previous checkpoint without a rename of ours: every save is its own
+    ``step-N`` folder, DCP writes ``.metadata`` last (a temporary name, then a rename), and torchtitan
+    loads only folders that have one. A save into a folder that already holds a checkpoint can leave
+    old metadata over new data; the model's checksums (``_dmuon_checksums``, [Note: checkpoint
+    checksums]) make ``set_model_state_dict`` refuse that mix. The flat optimizer layout of
+    :class:`DMuonOptimizersContainer` carries no checksums.
+
     Example::
 
         checkpointer = DMuonCheckpointManager.Config(enable=True, folder="ckpt", interval=100).build(
