@@ -16,6 +16,8 @@ instead of killing the suite. The reference is the same model on one process (``
 | a tied weight selected by its second name | ``ValueError`` | ``test_misuse.py`` |
 | ``dmuon.clip_grad_norm_(..., norm_type=inf)`` with a NaN on rank 1 | NaN on every rank | ``test_clip.py::test_a_nonfinite_gradient_on_one_rank_reaches_every_rank`` |
 | the checkpoint recipe killed mid-``torch.save`` | the previous file survives (temporary name, then rename) | ``test_faults.py`` |
+| one flipped byte in a checkpoint; a torn DCP save | ``set_*_state_dict`` refuses it on every rank | ``test_checksum.py`` |
+| a dedicated matrix used by two boundaries | one module at two paths: ``ValueError`` at ``dedicate_params``; a matrix called from outside its boundary: ``NotHeldError`` on the ranks that do not own it (the owner computes on) | ``test_two_boundaries`` (here) |
 """
 
 from __future__ import annotations
@@ -249,3 +251,44 @@ def test_whole_model_habits():
         assert r["dtypes"] == ["torch.float32"], "a refused model.to changed nothing"
         for k, want in trained.items():
             assert rel_err(r["trained"][k], want) <= WEIGHT_RTOL, k
+
+
+# ---------------------------------------------------------------------- #
+# A matrix used by two boundaries                                          #
+# ---------------------------------------------------------------------- #
+class _ReusedQ(torch.nn.Module):
+    """After the layers, the root applies layer 0's q_proj once more: outside its hook boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model()
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        h = m.tok_embeddings(tok)
+        for layer in m.layers:
+            h = layer(h)
+        return m.lm_head(m.norm(m.layers[0].attention.q_proj(h)))
+
+
+def two_boundaries_job(rank: int, world: int) -> dict:
+    mesh = init_device_mesh(DEVICE_TYPE, (WORLD,))
+    shared = build_model().to(device())
+    shared.layers[1].attention.q_proj = shared.layers[0].attention.q_proj  # one module, two layers
+    out = {"shared_module": _error(lambda: dmuon.dedicate_params(shared, mesh, projection_predicate))}
+    model = _ReusedQ().to(device())
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    q = "inner.layers.0.attention.q_proj.weight"
+    out["owner"] = q in dmuon.get_owned_params(model)
+    tok, _ = batches(1)[0]
+    out["reused"] = _error(lambda: model(tok[:2].to(device())))
+    return out
+
+
+def test_two_boundaries():
+    for r in run_distributed(two_boundaries_job, WORLD):
+        assert r["shared_module"].startswith("ValueError") and "shared" in r["shared_module"], r["shared_module"]
+        if r["owner"]:
+            assert r["reused"] == "", "the owner holds the matrix and computes on"
+        else:
+            assert r["reused"].startswith("NotHeldError") and "hook boundary" in r["reused"], r["reused"]
