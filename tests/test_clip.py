@@ -98,9 +98,9 @@ def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout, vi
             assert rel_err(r["weights"][k], want) <= WEIGHT_RTOL, k
 
 
-def nonfinite_job(rank: int, world: int, bad: str) -> dict:
-    """A NaN (or inf) in one gradient element of a matrix rank 1 owns, nowhere else. Each measurement gets
-    fresh gradients: clipping by an infinite norm scales by 0, which turns an inf into a NaN (torch too)."""
+def _poisonable(rank: int, world: int):
+    """The model (root FSDP2) and ``poison(bad)``: fresh gradients of one batch, then ``bad`` in one element
+    of the first matrix rank 1 owns, nowhere else; returns that matrix's name."""
     mesh = init_device_mesh(DEVICE_TYPE, (world,))
     model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
@@ -108,20 +108,28 @@ def nonfinite_job(rank: int, world: int, bad: str) -> dict:
     opt = dmuon.Muon(model, lr=0.01)
     tok, tgt = batches(1)[0]
     per = GLOBAL_BATCH // world
+    target = sorted(dmuon.get_owned_params(model, rank=1))[0]
 
-    def fresh() -> None:
+    def poison(bad: str) -> str:
         opt.zero_grad()
         model(tok[rank * per:(rank + 1) * per].to(device()),
               tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()
-        grads = dmuon.get_owned_grads(model)
         if rank == 1:
-            grads[sorted(grads)[0]].view(-1)[0] = float(bad)
+            dmuon.get_owned_grads(model)[target].view(-1)[0] = float(bad)
+        return target
 
+    return model, opt, poison
+
+
+def nonfinite_job(rank: int, world: int, bad: str) -> dict:
+    """A NaN (or inf) in one gradient element of a matrix rank 1 owns, nowhere else. Each measurement gets
+    fresh gradients: clipping by an infinite norm scales by 0, which turns an inf into a NaN (torch too)."""
+    model, _, poison = _poisonable(rank, world)
     out = {}
     for norm_type in (2.0, float("inf")):
-        fresh()
+        poison(bad)
         out[norm_type] = dmuon.clip_grad_norm_(model, 1e9, norm_type=norm_type).item()
-    fresh()
+    poison(bad)
     try:
         dmuon.clip_grad_norm_(model, 1.0, error_if_nonfinite=True, norm_type=float("inf"))
         out["raised"] = ""
@@ -149,20 +157,10 @@ def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank(bad):
 def nan_weights_job(rank: int, world: int) -> dict:
     """What a NaN gradient (one element of a matrix rank 1 owns) does to the weights after one step:
     without clipping, with clipping, and with ``error_if_nonfinite=True`` (the step skipped)."""
-    mesh = init_device_mesh(DEVICE_TYPE, (world,))
     out = {}
     for case in ("no_clip", "clip", "error_if_nonfinite"):
-        model = build_model().to(device())
-        dmuon.dedicate_params(model, mesh, projection_predicate)
-        fully_shard(model, mesh=mesh)
-        opt = dmuon.Muon(model, lr=0.01)
-        tok, tgt = batches(1)[0]
-        per = GLOBAL_BATCH // world
-        model(tok[rank * per:(rank + 1) * per].to(device()), tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()
-        grads = dmuon.get_owned_grads(model)
-        poisoned = sorted(dmuon.get_owned_params(model, rank=1))[0]
-        if rank == 1:
-            grads[poisoned].view(-1)[0] = float("nan")
+        model, opt, poison = _poisonable(rank, world)
+        poisoned = poison("nan")
         if case == "clip":
             dmuon.clip_grad_norm_(model, 1.0)
         if case == "error_if_nonfinite":
