@@ -165,34 +165,24 @@ def dedicate_params(
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
     """
     install_patch()
-    # ---------------- validation: nothing changes before this block passes ---------------- #
-    mesh, replicate_mesh = _check_meshes(model, mesh, replicate_mesh)
-    config = RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
-                           param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    _check_model(model)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    selected = _select(modules, predicate, param_dtype)
-    boundary_of = {
-        s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
-        for s in selected
-    }
-    specs = [ParamSpec(s.fqn, (int(s.param.shape[0]), int(s.param.shape[1])), boundary_of[s.fqn]) for s in selected]
-    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
-    plan = assign_owners(specs, mesh.size() * replicas)
-
-    # ---------------- collective preflight: grid of ranks, and the same plan everywhere ---------------- #
-    ctx = C.CommContext.from_meshes(mesh, replicate_mesh, C.CommCounter())
+    # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
+    try:
+        v = _validate(model, mesh, predicate, replicate_mesh, hook_boundary_predicate, hook_boundary_strict,
+                      RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
+                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    except (ValueError, TypeError) as err:
+        if dist.is_available() and dist.is_initialized():
+            _agree(f"{type(err).__name__}: {err}", None)  # the peers raise too, instead of waiting for this rank
+        raise
     # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
     # model fails here instead of hanging in its first broadcast, and the settings and dtypes: ranks
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
-    dtypes = [str(s.param.dtype) for s in selected]
-    fingerprint = hashlib.sha256(repr((plan.digest(), specs, config.fingerprint(), dtypes)).encode()).hexdigest()
-    digests = C.all_gather_object(ctx, fingerprint)
-    if len(set(digests)) != 1:
-        raise RuntimeError(
-            "dmuon.dedicate_params: ranks computed different owner plans or settings (different models, "
-            f"predicates, shapes or dtypes per rank?); plan digests: {digests}"
-        )
+    dtypes = [str(s.param.dtype) for s in v.selected]
+    _agree(None, hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest())
+
+    # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
+    ctx = C.CommContext.from_meshes(v.mesh, v.replicate_mesh, C.CommCounter())
+    config, plan, selected, boundary_of, modules = v.config, v.plan, v.selected, v.boundary_of, v.modules
 
     # ---------------- mutation ---------------- #
     state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
@@ -201,6 +191,54 @@ def dedicate_params(
     if dist.get_rank() == 0:
         logger.info(plan.summary_line())
     return plan
+
+
+class _Validated(NamedTuple):
+    mesh: DeviceMesh
+    replicate_mesh: DeviceMesh | None
+    config: RuntimeConfig
+    modules: dict[str, nn.Module]
+    selected: list[_Selected]
+    boundary_of: dict[str, str]
+    specs: list[ParamSpec]
+    plan: OwnerPlan
+
+
+def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, replicate_mesh: DeviceMesh | None,
+              hook_boundary_predicate: Callable[[nn.Module], bool] | None, hook_boundary_strict: bool,
+              config: RuntimeConfig) -> _Validated:
+    """Every local check of ``dedicate_params`` and the owner plan; changes nothing."""
+    mesh, replicate_mesh = _check_meshes(model, mesh, replicate_mesh)
+    _check_model(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    selected = _select(modules, predicate, config.param_dtype)
+    boundary_of = {
+        s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
+        for s in selected
+    }
+    specs = [ParamSpec(s.fqn, (int(s.param.shape[0]), int(s.param.shape[1])), boundary_of[s.fqn]) for s in selected]
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    plan = assign_owners(specs, mesh.size() * replicas)
+    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan)
+
+
+def _agree(error: str | None, fingerprint: str | None) -> None:
+    """One gather over the default group: every rank's local verdict and plan fingerprint. A rank that
+    failed its checks makes every other rank raise too (it raises its own error), and ranks with
+    different plans all raise; nothing has changed anywhere yet."""
+    views = C.all_gather_default((dist.get_rank(), error, fingerprint))
+    failed = [(r, e) for r, e, _ in views if e is not None]  # type: ignore[misc]
+    if failed and error is None:
+        raise ValueError("dmuon.dedicate_params: refused on " + "; ".join(f"rank {r}: {e}" for r, e in failed)
+                         + ". Nothing was changed on any rank.")
+    if failed:
+        return
+    digests = [fp for _, _, fp in views]  # type: ignore[misc]
+    if len(set(digests)) != 1:
+        raise RuntimeError(
+            "dmuon.dedicate_params: ranks computed different owner plans or settings (different models, "
+            f"predicates, shapes or dtypes per rank?); plan digests: {digests}"
+        )
 
 
 def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh | None

@@ -239,3 +239,27 @@ def test_dedicate_params_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="init_process_group"):
         dmuon.dedicate_params(model, None)  # type: ignore[arg-type]
     assert _unchanged(before, model)
+
+
+def one_rank_refuses_job(rank: int, world: int) -> dict:
+    """Only rank 1 passes a predicate that selects nothing: before, rank 0 went on into the collective plan
+    check and waited there for rank 1 until the process group's timeout."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model()
+    before = _fingerprint(model)
+    predicate = (lambda n, p: False) if rank == 1 else (lambda n, p: p.ndim == 2 and "proj" in n)
+    try:
+        dmuon.dedicate_params(model, mesh, predicate)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "unchanged": _unchanged(before, model)}
+
+
+def test_a_rank_that_refuses_alone_makes_every_rank_raise():
+    r0, r1 = run_distributed(one_rank_refuses_job, 2)
+    assert "selected no parameters" in r1["error"], r1["error"]
+    assert "refused on rank 1" in r0["error"] and "selected no parameters" in r0["error"], r0["error"]
+    assert r0["unchanged"] and r1["unchanged"]

@@ -327,6 +327,14 @@ def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
 
 
+def all_gather_default(obj: object) -> list[object]:
+    """Every rank's ``obj`` over the default process group: ``dedicate_params``' agreement, before dmuon's
+    own groups exist."""
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_gather_object(ctx: CommContext, obj: object) -> list[object]:
     """Gather a small picklable object from every rank (plan checks, checkpoint metadata)."""
     out: list[object] = [None] * ctx.world_size
