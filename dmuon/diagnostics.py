@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
+from .optim.muon import Muon
+from .optim.newton_schulz import explain
 from .runtime.comm import CommCounter, CommKind
 from .runtime.hooks import get_state
 
-__all__ = ["CommKind", "CommCounter", "comm_counts", "reset_comm_counts"]
+__all__ = ["CommKind", "CommCounter", "comm_counts", "reset_comm_counts", "ns_backends"]
 
 
 def _counter(model: nn.Module) -> CommCounter:
@@ -53,3 +56,31 @@ def reset_comm_counts(model: nn.Module) -> None:
         print(dmuon.diagnostics.comm_counts(model)["forward_broadcast"])
     """
     _counter(model).reset()
+
+
+def ns_backends(optimizer: Muon) -> list[dict[str, Any]]:
+    """Per shape group of the matrices this rank owns: the batched Newton–Schulz call ``step()`` makes
+    (``"shape"``: batch x rows x cols), its form and dtype, which kernel forms the symmetric products and
+    why (a missing package, a GPU older than Hopper, a matrix too small to gain). Local, no collective.
+
+    Example::
+
+        for row in dmuon.diagnostics.ns_backends(optimizer):
+            print(row["shape"], row["form"], row["symmetric_products"], row["why"])
+        # (4, 2048, 8192) gram quack quack's symmetric GEMM (Hopper+)
+    """
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"dmuon.diagnostics.ns_backends needs a dmuon.Muon, got {type(optimizer).__name__}")
+    out = []
+    for group in optimizer.param_groups:
+        if group["kind"] != "muon":
+            continue
+        counts: dict[tuple[int, ...], int] = {}
+        device = None
+        for p in group["params"]:
+            counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+            device = p.device
+        for shape, n in sorted(counts.items()):
+            out.append({"shape": (n, *shape), **explain((n, *shape), group["ns_backend"],
+                                                         device=device or torch.device("cpu"))})
+    return out

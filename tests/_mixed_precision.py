@@ -191,7 +191,7 @@ def build(world: int, opts: MP, seed: int = 0, hsdp: bool = False):
     if opts.meta:  # the owners' masters come from these fp32 values when dmuon.Muon binds the params
         model.to_empty(device="cpu")
         model.init_weights(seed)
-    opt = dmuon.Muon(model, ns_coefficients=KJ, master_dtype=FP32 if opts.master else None,
+    opt = dmuon.Muon(model, ns_coefficients=KJ, ns_backend="direct", master_dtype=FP32 if opts.master else None,
                      adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
                      adamw_weight_decay=ADAMW["weight_decay"], **MUON)
     return model, opt

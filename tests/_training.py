@@ -30,7 +30,7 @@ KJ = (3.4445, -4.7750, 2.0315)
 
 
 #: The hyperparameters of the parity runs, in dmuon's own records (the oracle reads the same fields).
-MUON_HP = MuonHParams(lr=0.01, weight_decay=0.01, ns_coefficients=KJ)
+MUON_HP = MuonHParams(lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct")
 ADAMW_HP = AdamWHParams(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
@@ -98,7 +98,7 @@ def root_sharded(world: int) -> tuple[TinyLlama, dmuon.Muon]:
     model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     fully_shard(model, mesh=mesh)
-    return model, dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    return model, dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
 
 
 #: four small layers for the routed model: enough to skip and reorder layers

@@ -128,7 +128,7 @@ def one_rank_accumulation_job(rank: int, world: int) -> dict:
     want = {n: p.grad.clone() for n, p in plain.named_parameters() if projection_predicate(n, p)}
     model = build_model().to(device())
     dmuon.dedicate_params(model, init_device_mesh(DEVICE_TYPE, (1,)), projection_predicate)
-    dmuon.Muon(model, lr=0.01, ns_coefficients=KJ)
+    dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
     for tok, tgt in data:  # no no_sync: each backward "reduces", later ones accumulate on top
         model(tok, tgt).loss.backward()
     dmuon.wait_all_reduces(model)

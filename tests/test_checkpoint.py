@@ -35,7 +35,8 @@ def _setup(world: int, init_seed: int = 0, cfg: TinyLlamaConfig = CFG, z3: bool 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct",
+                     adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     return model, opt, sched
 

@@ -73,7 +73,7 @@ def _build(seed: int):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, adamw_lr=1e-3)
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct", adamw_lr=1e-3)
     rank, per = dist.get_rank(), GLOBAL_BATCH // 2
     tok, tgt = batches(1, seed=seed)[0]
     model(tok[rank * per:(rank + 1) * per].to(device()), tgt[rank * per:(rank + 1) * per].to(device())).loss.backward()

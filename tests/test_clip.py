@@ -53,7 +53,7 @@ def clip_job(rank: int, world: int, layout: str, via: str) -> dict:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3)
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct", adamw_lr=1e-3)
     per = GLOBAL_BATCH // world
     norms, inf_norms, losses = [], [], []
     for tok, tgt in batches(STEPS):

@@ -66,7 +66,8 @@ def hf_job(rank: int, world: int, arch: str, dtype: torch.dtype) -> dict:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, ns_coefficients=KJ, **HP, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+    opt = dmuon.Muon(model, ns_coefficients=KJ, ns_backend="direct", **HP,
+                     adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                      adamw_weight_decay=ADAMW["weight_decay"])
     losses = []
     for batch in dataloader(STEPS, 8 // world, 32, rank, world, torch.device("cpu")):

@@ -47,7 +47,8 @@ def _build(world: int, run: Run):
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
-    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct",
+                     adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
                      replicate_async=run.replicate_async)
     return model, opt
 

@@ -282,7 +282,7 @@ def _misuse_cases(rank: int, world: int) -> dict:
     bf16_model, with_master = build(world, MP())
     for tok, tgt in batches(1):
         train_step(bf16_model, with_master, MP(), rank, world, tok, tgt)
-    without = dmuon.Muon(bf16_model, ns_coefficients=KJ)
+    without = dmuon.Muon(bf16_model, ns_coefficients=KJ, ns_backend="direct")
     sd = dmuon.get_optimizer_state_dict(bf16_model, with_master)
     for name, fn in {"load_masters_dmuon": lambda: dmuon.set_optimizer_state_dict(bf16_model, without, sd),
                      "load_masters_torch": lambda: without.load_state_dict(with_master.state_dict())}.items():
@@ -292,7 +292,7 @@ def _misuse_cases(rank: int, world: int) -> dict:
         except Exception as e:  # noqa: BLE001
             out[name] = (type(e).__name__, str(e), len(without.state) == 0)
     # and the model still trains after all of it
-    train_step(model, dmuon.Muon(model, ns_coefficients=KJ), MP(), rank, world, *batches(1)[0])
+    train_step(model, dmuon.Muon(model, ns_coefficients=KJ, ns_backend="direct"), MP(), rank, world, *batches(1)[0])
     return out
 
 

@@ -42,7 +42,7 @@ def vlm_job(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     model = build(mesh)
-    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, adamw_lr=1e-3)
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct", adamw_lr=1e-3)
     per = 8 // world
     losses = []
     for patches, tokens, labels in batches(STEPS, 8):

@@ -343,6 +343,7 @@ from dmuon.optim.newton_schulz import (  # noqa: E402
     GRAM_MIN_ASPECT,
     GRAM_MIN_WORK,
     POLAR_EXPRESS_COEFFICIENTS,
+    newton_schulz_native,
     parse_coefficients,
     resolve_backend,
 )
@@ -358,9 +359,10 @@ def _schedule_poly(x: torch.Tensor, schedule, steps: int) -> torch.Tensor:
     return x
 
 
-def _exact_iteration(G: torch.Tensor, schedule, steps: int) -> torch.Tensor:
-    """What the iteration computes in exact arithmetic from the bf16-cast input: U p(S/|S|) V^T."""
-    U, S, Vh = torch.linalg.svd(G.bfloat16().double(), full_matrices=False)
+def _exact_iteration(G: torch.Tensor, schedule, steps: int, *, from_bf16: bool = True) -> torch.Tensor:
+    """What the iteration computes in exact arithmetic from the bf16-cast input (or, ``from_bf16=False``,
+    from ``G`` itself, where the float16 forms start): U p(S/|S|) V^T."""
+    U, S, Vh = torch.linalg.svd((G.bfloat16() if from_bf16 else G).double(), full_matrices=False)
     return (U * _schedule_poly(S / S.norm(), schedule, steps)) @ Vh
 
 
@@ -397,22 +399,24 @@ def test_polar_express_is_closer_to_polar_factor_than_keller_jordan(case: int) -
 
 
 @needs_torch_ns
+@pytest.mark.parametrize("backend", ["gram", "direct_fp16"])
 @pytest.mark.parametrize("coefficients", ["keller_jordan", "polar_express"])
 @pytest.mark.parametrize("case", range(5))
-def test_gram_backend_as_accurate_as_torch_direct(coefficients: str, case: int) -> None:
+def test_float16_backends_as_accurate_as_torch_direct(backend: str, coefficients: str, case: int) -> None:
     name, G = _wide_cases()[case]
     schedule = parse_coefficients(coefficients)
-    exact = _exact_iteration(G, schedule, DEFAULT_NS_STEPS)
-    gram = newton_schulz(G, coefficients=coefficients, backend="gram")
+    half = newton_schulz(G, coefficients=coefficients, backend=backend)
     direct = newton_schulz(G, coefficients=coefficients, backend="direct")
-    assert gram.dtype == torch.bfloat16 and gram.shape == G.shape
-    # 1) the float16 Gram iteration with a restart tracks the exact polynomial at least as well as the
-    #    bfloat16 direct form (measured: 1.1x-3x closer); without the restart, or in bf16, it does not.
-    assert _rel(gram, exact) <= _rel(direct, exact), name
+    assert half.dtype == torch.bfloat16 and half.shape == G.shape
+    # 1) each tracks the exact polynomial of its own input at least as well as the bfloat16 direct form
+    #    tracks its own (the float16 forms start from G, the direct one from G in bfloat16)
+    ours = _rel(newton_schulz_native(G, coefficients=coefficients, backend=backend),
+                _exact_iteration(G, schedule, DEFAULT_NS_STEPS, from_bf16=False))
+    assert ours <= _rel(direct, _exact_iteration(G, schedule, DEFAULT_NS_STEPS)), name
     # 2) the issue's bar: same or better distance to U V^T than torch.optim.Muon's NS, same 5 steps
     torch_kj = _torch_ns(G.clone(), KJ, DEFAULT_NS_STEPS, DEFAULT_EPS)
     polar = _polar(G)
-    assert _rel(gram, polar) <= _rel(torch_kj, polar) * 1.001, name
+    assert _rel(half, polar) <= _rel(torch_kj, polar) * 1.001, name
 
 
 def test_gram_backend_batched_matches_slices() -> None:
@@ -429,30 +433,34 @@ def test_gram_backend_edge_inputs() -> None:
     out = newton_schulz(big, backend="gram")
     assert out.isfinite().all()
     assert _rel(out, newton_schulz(big / 1e8, backend="gram")) < 1e-2
-    # zero steps: the normalised input, as for the direct form
+    # zero steps: the normalised input, computed in the input's precision and rounded once to float16
     G = torch.randn(6, 20, generator=_gen(62))
-    assert torch.equal(newton_schulz(G, steps=0, backend="gram"), newton_schulz(G, steps=0))
+    want = (G / G.norm(dim=(-2, -1), keepdim=True)).half()
+    assert torch.equal(newton_schulz_native(G, steps=0, backend="gram"), want)
+    assert torch.equal(newton_schulz_native(G, steps=0, backend="direct_fp16"), want)
 
 
-def test_auto_backend_follows_aspect_ratio_and_size(monkeypatch) -> None:
+def test_auto_backend_follows_device_aspect_ratio_and_size(monkeypatch) -> None:
     assert GRAM_MIN_ASPECT == 1.5 and GRAM_MIN_WORK == 2**33
-    # Llama shapes: wide and big enough -> gram; square, or too small a call -> direct
-    assert resolve_backend((2048, 8192)) == "gram" and resolve_backend((8192, 2048)) == "gram"
-    assert resolve_backend((4, 1024, 4096)) == "gram" and resolve_backend((32, 512, 2048)) == "gram"
-    assert resolve_backend((1024, 4096)) == "direct" and resolve_backend((4, 512, 2048)) == "direct"
-    assert resolve_backend((64, 4096, 4096)) == "direct" and resolve_backend((5, 8192, 2048), "direct") == "direct"
-    assert resolve_backend((4096, 6143)) == "direct" and resolve_backend((4096, 6144)) == "gram"
-    # newton_schulz follows the same choice (small matrices, with the size floor lowered)
+    cuda = dict(device="cuda")  # only the device type is read: no GPU needed
+    # Llama shapes on CUDA: wide and big enough -> gram; square, or too small a call -> float16 direct
+    assert resolve_backend((2048, 8192), **cuda) == "gram" and resolve_backend((8192, 2048), **cuda) == "gram"
+    assert resolve_backend((4, 1024, 4096), **cuda) == "gram" and resolve_backend((32, 512, 2048), **cuda) == "gram"
+    assert resolve_backend((1024, 4096), **cuda) == "direct_fp16"
+    assert resolve_backend((4, 512, 2048), **cuda) == "direct_fp16"
+    assert resolve_backend((64, 4096, 4096), **cuda) == "direct_fp16"
+    assert resolve_backend((4096, 6143), **cuda) == "direct_fp16" and resolve_backend((4096, 6144), **cuda) == "gram"
+    assert resolve_backend((5, 8192, 2048), "direct", **cuda) == "direct"
+    # on the CPU (and with no device given) auto is torch's bfloat16 form: float16 products are slow there
+    for shape in [(2048, 8192), (64, 4096, 4096), (24, 80)]:
+        assert resolve_backend(shape) == "direct" and resolve_backend(shape, device="cpu") == "direct"
+    G = torch.randn(24, 80, generator=_gen(64))
+    assert torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend="direct"))
+    # the choice reaches newton_schulz: with the size floor lowered, a CUDA-typed resolution picks gram
     import sys
 
     monkeypatch.setattr(sys.modules["dmuon.optim.newton_schulz"], "GRAM_MIN_WORK", 1)
-    for shape in [(24, 80), (40, 40)]:
-        G = torch.randn(shape, generator=_gen(63))
-        chosen = resolve_backend(shape)
-        assert torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend=chosen))
-    G = torch.randn(24, 80, generator=_gen(64))
-    assert resolve_backend(G.shape) == "gram"
-    assert not torch.equal(newton_schulz(G, backend="auto"), newton_schulz(G, backend="direct"))
+    assert resolve_backend((24, 80), **cuda) == "gram" and resolve_backend((40, 40), **cuda) == "direct_fp16"
 
 
 def test_schedules_by_name_and_sequence() -> None:
@@ -478,10 +486,8 @@ def test_rejects_bad_backend(backend: object) -> None:
 
 
 def test_native_output_skips_only_the_final_cast() -> None:
-    from dmuon.optim.newton_schulz import newton_schulz_native
-
     G = torch.randn(3, 16, 48, generator=_gen(70))
-    for backend, dtype in (("direct", torch.bfloat16), ("gram", torch.float16)):
+    for backend, dtype in (("direct", torch.bfloat16), ("gram", torch.float16), ("direct_fp16", torch.float16)):
         raw = newton_schulz_native(G, backend=backend)
         assert raw.dtype == dtype and raw.shape == G.shape
         assert torch.equal(raw.bfloat16(), newton_schulz(G, backend=backend))

@@ -88,7 +88,7 @@ def _sharded_model_and_muon(world: int, **ns) -> tuple[torch.nn.Module, dmuon.Mu
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, **HP, **(ns or dict(ns_coefficients=KJ)), adamw_lr=ADAMW["lr"],
+    opt = dmuon.Muon(model, **HP, **(ns or dict(ns_coefficients=KJ, ns_backend="direct")), adamw_lr=ADAMW["lr"],
                      adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
     return model, opt
 
@@ -215,3 +215,41 @@ def test_bad_ns_options_raise(kw, match):
     model = build_model()
     with pytest.raises(ValueError, match=match):
         dmuon.Muon(model, **kw)
+
+
+def ns_backends_job(rank: int, world: int) -> list:
+    from tests._training import root_sharded
+
+    model, _ = root_sharded(world)
+    return dmuon.diagnostics.ns_backends(dmuon.Muon(model, lr=0.01))  # the default backend
+
+
+def test_diagnostics_report_the_ns_call_of_each_shape_group():
+    rows = run_distributed(ns_backends_job, 1)[0]
+    # the test model at one rank: every projection owned, grouped by shape
+    model = build_model()
+    shapes: dict = {}
+    for n, p in model.named_parameters():
+        if projection_predicate(n, p):
+            shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
+    assert [r["shape"] for r in rows] == [(k, *s) for s, k in sorted(shapes.items())]
+    for r in rows:  # on the CPU the default is torch's bfloat16 form, with a reason
+        assert (r["form"], r["dtype"], r["symmetric_products"]) == ("direct", "bfloat16", "torch"), r
+        assert "cpu" in r["why"], r
+
+
+def test_explain_names_the_form_kernel_and_reason_per_device():
+    from dmuon.optim import _quack, _symmetric
+    from dmuon.optim.newton_schulz import explain
+
+    # a CUDA-typed shape needs no GPU to be explained
+    wide, square, small = (4, 2048, 8192), (8, 4096, 4096), (4, 512, 2048)
+    assert explain(wide, device="cuda")["form"] == "gram" and explain(square, device="cuda")["form"] == "direct_fp16"
+    assert explain(small, device="cuda") == {"form": "direct_fp16", "dtype": "float16", "symmetric_products": "torch",
+                                             "why": "m = 512 < 2048: cuBLAS's full products are faster"}
+    big = explain(square, device="cuda")
+    if _quack.gemm_symmetric is None:
+        assert "quack-kernels is not installed" in big["why"]
+        assert big["symmetric_products"] == ("triton" if _symmetric.triton is not None else "torch")
+    assert explain(square, "direct", device="cuda")["symmetric_products"] == "torch"
+    assert explain(wide)["form"] == "direct" and "cpu" in explain(wide)["why"]

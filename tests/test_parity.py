@@ -8,12 +8,14 @@ counter against the cost model.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tests._asserts import assert_bitwise, assert_close_to
 from tests._dist import run_distributed
-from tests._training import RunOptions, train_dmuon, train_oracle
+from tests._training import MUON_HP, RunOptions, train_dmuon, train_oracle
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS = 20
@@ -23,6 +25,8 @@ def parity_job(rank: int, world: int) -> dict:
     return {
         "z3": train_dmuon(rank, world, RunOptions(steps=STEPS, reshard_after_forward=True)),
         "z2": train_dmuon(rank, world, RunOptions(steps=STEPS, reshard_after_forward=False)),
+        # dmuon.Muon's default backend: the float16 forms on CUDA, torch's bfloat16 form on the CPU
+        "default_backend": train_dmuon(rank, world, RunOptions(steps=STEPS, hp=replace(MUON_HP, ns_backend="auto"))),
     }
 
 
@@ -36,7 +40,7 @@ def runs(request) -> tuple[int, list[dict]]:
     return request.param, run_distributed(parity_job, request.param)
 
 
-@pytest.mark.parametrize("zero", ["z3", "z2"])
+@pytest.mark.parametrize("zero", ["z3", "z2", "default_backend"])
 def test_matches_oracle(runs, oracle, zero):
     world, results = runs
     r = results[0][zero]

@@ -170,7 +170,8 @@ def _build_routed(world: int, s: Setup):
     if s.checkpoint:
         for layer in model.layers:
             layer.forward = _checkpointed(layer.forward)
-    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct",
+                     adamw_lr=1e-3, adamw_betas=(0.9, 0.95))
     return model, opt
 
 

@@ -50,7 +50,7 @@ def _model(*, fsdp: bool = True):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    return model, dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, adamw_lr=1e-3)
+    return model, dmuon.Muon(model, lr=0.01, weight_decay=0.01, ns_coefficients=KJ, ns_backend="direct", adamw_lr=1e-3)
 
 
 def _backward(model, rank: int, step: int = 0) -> torch.Tensor:

@@ -26,20 +26,25 @@ Two more options sit beside that torch-identical form:
   converges to ``U V^T`` in few steps (after 5 steps every normalised singular value in [1e-3, 1] maps
   into [0.85, 1.12]; Keller Jordan's leaves [0.47, 1.20]). The published values carry a 1% safety
   factor against rounding, applied below.
-* **Backends.** ``"direct"`` iterates on ``X`` (torch's operation sequence). ``"gram"`` iterates on
-  the small Gram matrix instead: for a wide ``X`` (``m <= n``) every iterate is ``X_k = Q_k X_0`` with
-  ``Q_k`` a polynomial in ``R = X_0 X_0^T``, so one can update ``A_k = X_k X_k^T`` and ``Q_k`` with
-  ``m x m`` products only and touch the ``m x n`` matrix once at the end: ``8 m^2 n + 28 m^3`` flops for
-  5 steps (one restart) against ``20 m^2 n + 10 m^3``, a win once ``n >= 1.5 m``. Squaring the condition
-  number makes bfloat16 unusable there (measured: the iteration drifts far from the exact polynomial),
-  so the Gram space runs in float16 (3 more mantissa bits, same speed) and restarts every 3 steps
-  from the current ``X`` (re-forming ``R``), which bounds the drift; measured on CPU it then lands
-  closer to the exact iteration than torch's bfloat16 direct form. ``"auto"`` takes ``"gram"`` for
-  shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at least :data:`GRAM_MIN_WORK`, and
-  ``"direct"`` otherwise. On CUDA with Triton installed, ``"auto"`` also forms the products whose
-  result is symmetric (``X X^T``, ``b A + c A A``, and in the Gram form ``P Q`` and ``A P P``, products
-  of commuting symmetric matrices) with :mod:`dmuon.optim._symmetric`'s kernel, which computes only the tiles
-  on and above the diagonal, for ``m >= 1024``.
+* **Backends.** ``"direct"`` iterates on ``X`` in bfloat16 (torch's operation sequence).
+  ``"direct_fp16"`` runs the same iteration in float16, normalised from the input's own precision: 3
+  more mantissa bits at the same GPU speed, about 8x closer to the exact iteration (measured on an H200:
+  1.1-1.5e-3 against torch's 8.7e-3-1.3e-2 relative distance to the float64 iteration on the Llama
+  shares). ``"gram"`` iterates on the small Gram matrix instead: for a wide ``X`` (``m <= n``) every
+  iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``R = X_0 X_0^T``, so one can update
+  ``A_k = X_k X_k^T`` and ``Q_k`` with ``m x m`` products only and touch the ``m x n`` matrix once at the
+  end: ``8 m^2 n + 28 m^3`` flops for 5 steps (one restart) against ``20 m^2 n + 10 m^3``, a win once
+  ``n >= 1.5 m``. Squaring the condition number makes bfloat16 unusable there (measured: the iteration
+  drifts far from the exact polynomial), so the Gram space runs in float16 and restarts from the
+  current ``X`` (re-forming ``R``) every 3 steps, which bounds the drift (1.4-1.6e-3 relative
+  distance to the float64 iteration on the Llama shares, measured on an H200).
+  ``"auto"`` on CUDA takes ``"gram"`` for shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at
+  least :data:`GRAM_MIN_WORK` and ``"direct_fp16"`` otherwise, and forms the products whose result is
+  symmetric (``X X^T``, ``b A + c A A``, and in the Gram form ``P Q`` and ``A P P``, products of commuting
+  symmetric matrices) with quack's symmetric GEMM (Hopper+, ``dmuon[quack]``, see
+  :mod:`dmuon.optim._quack`) or :mod:`dmuon.optim._symmetric`'s Triton kernel, which compute only the
+  tiles on and above the diagonal. On the CPU ``"auto"`` is ``"direct"``: float16 products are several
+  times slower than bfloat16 ones there.
 
 Only ``"direct"`` with one ``(a, b, c)`` is bit-identical to torch; the others round differently.
 
@@ -63,8 +68,10 @@ __all__ = [
     "NS_BACKENDS",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_WORK",
+    "GRAM_FIRST_RESTART",
     "GRAM_RESTART_EVERY",
     "resolve_backend",
+    "explain",
     "DEFAULT_NS_STEPS",
     "DEFAULT_EPS",
     "newton_schulz",
@@ -104,7 +111,7 @@ COEFFICIENT_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
 }
 
 #: Accepted ``backend`` values.
-NS_BACKENDS = ("direct", "gram", "auto")
+NS_BACKENDS = ("direct", "direct_fp16", "gram", "auto")
 #: ``"auto"`` uses the Gram form when the long side is at least this many times the short side
 #: (flop break-even of the two forms at 5 steps)...
 GRAM_MIN_ASPECT = 1.5
@@ -112,7 +119,12 @@ GRAM_MIN_ASPECT = 1.5
 #: launch-bound and the Gram form's extra small products cost more than its flops save (measured on an
 #: H200: 0.81x the direct time for 32 x (512 x 2048), 1.41x for 4 of them, 1.15x for one 1024 x 4096).
 GRAM_MIN_WORK = 2**33
-#: The Gram form re-forms ``R`` from the current ``X`` after this many steps.
+#: The Gram form re-forms ``R`` from the current ``X`` after :data:`GRAM_FIRST_RESTART` steps, then after
+#: every further ``GRAM_RESTART_EVERY`` steps: for 5 steps one restart, after step 3. The products are the
+#: same wherever the restart sits (a segment's work is linear in its length). gram-newton-schulz restarts
+#: after step 2; measured on an H200 (Llama-3.1-8B share at 8 ranks) that made ``"auto"``'s worst
+#: distance to the float64 iteration 2.96e-3 against 1.64e-3 after step 3, so dmuon keeps 3.
+GRAM_FIRST_RESTART = 3
 GRAM_RESTART_EVERY = 3
 
 #: Number of iterations ``torch.optim.Muon`` runs by default.
@@ -152,16 +164,25 @@ def parse_coefficients(coefficients: object) -> tuple[tuple[float, float, float]
     )
 
 
-def resolve_backend(shape: tuple[int, ...] | torch.Size, backend: str = "auto") -> str:
-    """The concrete backend (``"direct"`` or ``"gram"``) used for one call on ``shape`` (2-D, or 3-D
-    with the batch first)."""
+def resolve_backend(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
+                    device: torch.device | str | None = None) -> str:
+    """The concrete backend (``"direct"``, ``"direct_fp16"`` or ``"gram"``) of one call on ``shape`` (2-D,
+    or 3-D with the batch first) on ``device``.
+
+    ``"auto"`` on CUDA: ``"gram"`` for shapes with ``long >= GRAM_MIN_ASPECT * short`` and enough work
+    (:data:`GRAM_MIN_WORK`), ``"direct_fp16"`` otherwise (float16 runs at bfloat16's speed there with 3
+    more mantissa bits). Elsewhere (CPU): ``"direct"``, since float16 products are several times slower
+    than bfloat16 ones on CPUs (6.0x on an AVX512-BF16/AMX core, 512x2048x512)."""
     if backend not in NS_BACKENDS:
         raise ValueError(f"backend must be one of {NS_BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
+    if device is None or torch.device(device).type != "cuda":
+        return "direct"
     short, long = sorted(shape[-2:])
     batch = math.prod(shape[:-2])
-    return "gram" if long >= GRAM_MIN_ASPECT * short and batch * short * short * long >= GRAM_MIN_WORK else "direct"
+    wide = long >= GRAM_MIN_ASPECT * short and batch * short * short * long >= GRAM_MIN_WORK
+    return "gram" if wide else "direct_fp16"
 
 
 def _validate(
@@ -223,10 +244,11 @@ def newton_schulz(
             a sequence of such triples (one per step; the last repeats), or a schedule name
             (``"keller_jordan"``, ``"polar_express"``).
         eps: positive floor on the Frobenius norm used for normalisation.
-        backend: ``"direct"`` (torch's form), ``"gram"`` (float16 Gram-space iteration, fewer flops
-            for wide matrices) or ``"auto"`` (``"gram"`` when the long side is >=
-            :data:`GRAM_MIN_ASPECT` times the short side and the call is big enough, see
-            :func:`resolve_backend`). See the module docstring.
+        backend: ``"direct"`` (torch's form, bfloat16), ``"direct_fp16"`` (the same in float16),
+            ``"gram"`` (float16 Gram-space iteration, fewer flops for wide matrices) or ``"auto"`` (on CUDA
+            ``"gram"`` when the long side is >= :data:`GRAM_MIN_ASPECT` times the short side and the call
+            is big enough, else ``"direct_fp16"``, with symmetric-product kernels; on the CPU
+            ``"direct"``; see :func:`resolve_backend`). See the module docstring.
 
     Returns:
         A bfloat16 tensor with the shape of ``G``.
@@ -265,7 +287,7 @@ def newton_schulz_native(
     backend: str = "direct",
 ) -> Tensor:
     """:func:`newton_schulz` without the final cast: bfloat16 from the direct form, float16 from the
-    Gram form. An optimizer that adds the result into a parameter saves one pass over the update (and
+    float16 forms (``"direct_fp16"``, ``"gram"``). An optimizer that adds the result into a parameter saves one pass over the update (and
     one rounding) by taking it as is.
 
     Example::
@@ -275,37 +297,85 @@ def newton_schulz_native(
         torch.float16
     """
     schedule = _validate(G, steps, coefficients, eps)
-    resolved = resolve_backend(G.shape, backend)
+    resolved = resolve_backend(G.shape, backend, device=G.device)
     per_step = [schedule[min(k, len(schedule) - 1)] for k in range(steps)]
 
     transpose = G.shape[-2] > G.shape[-1]
-    X = G.bfloat16()
-    if transpose:
-        X = X.mT  # same as .T for 2-D, so the 2-D path matches torch op for op
+    if resolved == "direct":
+        X = G.bfloat16()
+        X = X.mT if transpose else X  # same as .T for 2-D, so the 2-D path matches torch op for op
+        X = _direct_iterate(X, per_step, eps, _use_symmetric(X, backend))
+    else:
+        X = _half_normalised(G.mT if transpose else G, eps)
+        sym = _use_symmetric(X, backend)
+        if resolved == "gram" and steps > 0:
+            X = _gram_iterate(X, per_step, sym)
+        else:
+            X = _direct_iterate(X, per_step, eps, sym, normalised=True)
+    return X.mT if transpose else X
 
-    sym = _use_symmetric(X, backend)
-    if resolved == "gram" and steps > 0:
-        X = _gram_iterate(X, per_step, eps, sym)
-    elif X.ndim == 2 and not sym:
+
+def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
+            device: torch.device | str | None = None) -> dict[str, str]:
+    """What one call on ``shape`` (2-D, or 3-D with the batch first) on ``device`` runs, and why: the form
+    (:func:`resolve_backend`), its dtype, and which kernel forms the symmetric products (``"quack"``,
+    ``"triton"`` or ``"torch"``: cuBLAS's or the CPU's full products). No tensor is allocated.
+
+    Example::
+
+        >>> explain((4, 2048, 8192), device="cpu")["form"]
+        'direct'
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    form = resolve_backend(shape, backend, device=dev)
+    dtype = torch.bfloat16 if form == "direct" else torch.float16
+    m = min(shape[-2:])
+    from . import _quack, _symmetric
+
+    if backend != "auto":
+        kernel, why = "torch", f"backend={backend!r}: torch's products (only 'auto' uses the symmetric kernels)"
+    elif dev.type != "cuda":
+        kernel, why = "torch", f"{dev.type}: 'auto' is torch's bfloat16 direct form (float16 products are slow there)"
+    elif _quack.why_not(dev) is None and m >= _quack.QUACK_MIN_DIM:
+        kernel, why = "quack", "quack's symmetric GEMM (Hopper+)"
+    elif _symmetric.triton is not None and m >= _symmetric.SYMMETRIC_MIN_DIM:
+        kernel, why = "triton", f"Triton's symmetric kernel ({_quack.why_not(dev) or 'quack below its size'})"
+    else:
+        small = m < _symmetric.SYMMETRIC_MIN_DIM
+        kernel, why = "torch", (f"m = {m} < {_symmetric.SYMMETRIC_MIN_DIM}: cuBLAS's full products are faster"
+                                if small else "neither quack nor Triton is installed")
+    return {"form": form, "dtype": str(dtype).removeprefix("torch."), "symmetric_products": kernel, "why": why}
+
+
+def _half_normalised(G: Tensor, eps: float) -> Tensor:
+    """``G / max(||G||_F, eps)`` per matrix, computed in ``G``'s own dtype and rounded once to float16 (the
+    float16 forms start from the input's precision, not from a bfloat16 copy of it). The division comes
+    before the cast: float16 overflows at 65504, gradients need not fit."""
+    norm = G.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    return torch.div(G, norm, out=torch.empty(G.shape, dtype=torch.float16, device=G.device))
+
+
+def _direct_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps: float, sym: bool, *,
+                    normalised: bool = False) -> Tensor:
+    """``A = X X^T; B = b A + c A A; X = a X + B X`` per step, in ``X``'s dtype. A 2-D bfloat16 ``X`` without
+    the symmetric kernel runs torch's exact operation sequence (normalisation included)."""
+    if X.ndim == 2 and not sym and not normalised:
         # Out-of-place division: same values as torch's div_, but never aliases/mutates G.
         X = X / X.norm().clamp(min=eps)
         for a, b, c in per_step:
             A = X @ X.T
             B = torch.addmm(A, A, A, beta=b, alpha=c)
             X = torch.addmm(X, B, X, beta=a)
-    else:
-        squeeze = X.ndim == 2
-        X = X.unsqueeze(0) if squeeze else X
+        return X
+    squeeze = X.ndim == 2
+    X = X.unsqueeze(0) if squeeze else X
+    if not normalised:
         X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-        for a, b, c in per_step:
-            A = _gram_of(X, sym)
-            B = _poly(A, b, c, sym)
-            X = torch.baddbmm(X, B, X, beta=a)
-        X = X.squeeze(0) if squeeze else X
-
-    if transpose:
-        X = X.mT
-    return X
+    for a, b, c in per_step:
+        A = _gram_of(X, sym)
+        B = _poly(A, b, c, sym)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return X.squeeze(0) if squeeze else X
 
 
 def _use_symmetric(X: Tensor, backend: str) -> bool:
@@ -345,22 +415,19 @@ def _poly(A: Tensor, b: float, c: float, sym: bool) -> Tensor:
     return torch.baddbmm(A, A, A, beta=b, alpha=c)
 
 
-def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], eps: float,
-                  sym: bool = False) -> Tensor:
-    """The Gram-space iteration on a wide bf16 ``X`` (``m <= n``): returns float16 ``X_k``.
+def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], sym: bool = False) -> Tensor:
+    """The Gram-space iteration on a normalised wide float16 ``X`` (``m <= n``): returns float16 ``X_k``.
 
-    Per segment of :data:`GRAM_RESTART_EVERY` steps: ``R = X X^T``; each step forms
+    Per segment (the first :data:`GRAM_FIRST_RESTART` steps, then :data:`GRAM_RESTART_EVERY` each):
+    ``R = X X^T``; each step forms
     ``P = a I + b A + c A^2``, accumulates ``Q <- P Q`` and (except on the segment's last step)
     advances ``A <- A P P`` (everything commutes, being a polynomial in ``R``); then ``X <- Q X``.
     """
     squeeze = X.ndim == 2
     X = X.unsqueeze(0) if squeeze else X
-    # normalise and cast in one pass (the division runs before the cast: float16 overflows at 65504,
-    # gradients need not fit)
-    X = torch.div(X, X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps),
-                  out=torch.empty(X.shape, dtype=torch.float16, device=X.device))
-    for start in range(0, len(per_step), GRAM_RESTART_EVERY):
-        segment = per_step[start : start + GRAM_RESTART_EVERY]
+    bounds = [0, *range(GRAM_FIRST_RESTART, len(per_step), GRAM_RESTART_EVERY), len(per_step)]
+    for start, end in zip(bounds, bounds[1:]):
+        segment = per_step[start:end]
         A = _gram_of(X, sym)
         Q: Tensor | None = None
         for j, (a, b, c) in enumerate(segment):

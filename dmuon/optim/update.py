@@ -88,7 +88,7 @@ class MuonHParams:
     eps: float = DEFAULT_EPS
     weight_decay: float = 0.0
     adjust_lr_fn: AdjustLR = AdjustLR.ORIGINAL
-    ns_backend: str = "direct"
+    ns_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("lr", "momentum", "weight_decay"):

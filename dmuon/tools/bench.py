@@ -201,7 +201,7 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
         return model, _NaiveFSDPMuon(model, lr, adamw_lr)
     ns = ns or {}
     return model, dmuon.Muon(model, lr=lr, ns_coefficients=ns.get("ns_coefficients", KJ),
-                             ns_backend=ns.get("ns_backend", "direct"), adamw_lr=adamw_lr,
+                             ns_backend=ns.get("ns_backend", "auto"), adamw_lr=adamw_lr,
                              adamw_fused=_adamw_kw(device).get("fused"), master_dtype=ns.get("master_dtype"),
                              replicate_async=replicate_async)
 
@@ -279,6 +279,8 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     def timed(fn: Callable[[], object]) -> float:
         return median_ms(fn, reps=args.steps)
 
+    _say(f"[1/2] dmuon: the busiest owner's Muon step ({len(busiest.fqns)} matrices, rank {busiest.rank} of "
+         f"{args.simulate_world_size}) ...")
     owned = mats(list(busiest.fqns))
     by_shape: dict[tuple, list] = {}
     for w, g, b in owned:  # as dmuon.Muon.step groups them
@@ -289,6 +291,7 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp], hp)
                               for grp in by_shape.values()])
     del owned, by_shape
+    _say(f"[2/2] torch.optim.Muon's NS on all {len(specs)} matrices ...")
     everything = [g for _, g, _ in mats([s.fqn for s in specs])]
     torch_ms = timed(lambda: [_zeropower_via_newtonschulz(g, KJ, 5, 1e-7) for g in everything])
     return {"world_size": args.simulate_world_size, "busiest_rank": busiest.rank, "busiest_params": len(busiest.fqns),
@@ -304,7 +307,7 @@ def _ns_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"ns_backend": args.ns_backend, "ns_coefficients": coefficients, "master_dtype": master}
 
 
-def _chart(results: list[Timing], path: str) -> None:
+def _chart(results: list[Timing], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,6 +321,7 @@ def _chart(results: list[Timing], path: str) -> None:
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("ms per step (median)")
+    ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -348,8 +352,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
                         help="dmuon variants: fully_shard each layer and the root (the recipe), only the root "
                              "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit), "
                              "or nothing (other params replicated, gradients averaged by dmuon like DDP)")
-    parser.add_argument("--ns-backend", choices=["direct", "gram", "auto"], default="direct",
-                        help="dmuon's Newton-Schulz form (default: direct, torch's)")
+    parser.add_argument("--ns-backend", choices=["direct", "direct_fp16", "gram", "auto"], default="auto",
+                        help="dmuon's Newton-Schulz form (default: auto, dmuon.Muon's; direct: torch's)")
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
                         help="dmuon's coefficient schedule (torch.optim.Muon always uses keller_jordan)")
     parser.add_argument("--out", default=None)
@@ -435,7 +439,9 @@ def _run_variants(args: argparse.Namespace, variants: list[str], device: torch.d
     if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
         try:
-            _chart(results, os.path.join(args.out, "chart.png"))
+            _chart(results, os.path.join(args.out, "chart.png"),
+                   f"{args.preset} on {out['world_size']} x {out['device']}{hsdp}: {args.batch} x {args.seq} = "
+                   f"{args.batch * args.seq} tokens per rank, {dtype}".replace("torch.", ""))
         except ImportError:
             _say("matplotlib not installed: no chart.png")
     dist.barrier()
