@@ -25,6 +25,8 @@ def _check(out: Path, world: int) -> None:
     for r in res["results"]:
         assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["optimizer_ms"] > 0 and r["e2e_ms"] > 0, r
     assert res["results"][0]["ratio"] == 1.0 and res["results"][0]["e2e_ratio"] == 1.0
+    for r in res["results"]:  # each ratio's quartiles over the rounds bracket its median
+        assert r["ratio_q1"] <= r["ratio"] <= r["ratio_q3"], r
     assert (out / "chart.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -34,15 +36,20 @@ def _check(out: Path, world: int) -> None:
 
 def test_tiny_preset_one_process(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
-                           "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+                           "--rounds", "2", "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ratios vs fsdp_adamw" in proc.stdout
+    assert "ratios vs fsdp_adamw, median of 2 rounds" in proc.stdout
+    # round 2 runs the variants in an order rotated by one
+    order = [line.split("] ")[1].split(" ...")[0] for line in proc.stdout.splitlines() if line.startswith("[round ")]
+    assert order[:5] == list(bench.VARIANTS) and order[5:] == list(bench.VARIANTS[1:]) + [bench.VARIANTS[0]], order
     _check(tmp_path, 1)
+    assert json.loads((tmp_path / "results.json").read_text())["rounds"] == 2
 
 
 def test_tiny_preset_two_ranks_under_torchrun(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+                           "-m", "dmuon.bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
                            "--ns-backend", "auto", "--ns-coefficients", "polar_express", "--dmuon-wrap", "root",
                            "--replicate", "2", "--replicate-async", "off",
                            "--out", str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)

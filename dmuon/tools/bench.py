@@ -334,6 +334,10 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: 2 tiny, else 4)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: 32 tiny, else 512)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds; each builds and times every variant once, in a rotated order, so noise that "
+                             "comes and goes over seconds spreads over all of them. Reported: medians over the "
+                             "rounds, and each ratio's quartiles over the rounds (vs fsdp_adamw of the same round)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--e2e-steps", type=int, default=None,
                         help="full steps timed end to end after the phase-timed ones, synchronised only before "
@@ -367,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     args.e2e_steps = args.steps if args.e2e_steps is None else args.e2e_steps
     if args.e2e_steps < 1:
         parser.error(f"--e2e-steps must be at least 1, got {args.e2e_steps}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     bad = replicate_error(int(os.environ.get("WORLD_SIZE", "1")), args.replicate)
     if bad:
         parser.error(bad)
@@ -405,6 +411,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _alternate(args: argparse.Namespace, variants: list[str], device: torch.device, dtype: torch.dtype,
+               mesh) -> list[dict[str, Timing]]:
+    """Every variant once per round, built fresh, in an order rotated by one each round."""
+    per_round: list[dict[str, Timing]] = []
+    for rnd in range(args.rounds):
+        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+        timings = {}
+        for i, v in enumerate(order):
+            _say(f"[round {rnd + 1}/{args.rounds}, {i + 1}/{len(order)}] {v} ...")
+            timings[v] = _time_variant(v, args, device, dtype, mesh)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        per_round.append(timings)
+    return per_round
+
+
+def _median_timing(variant: str, ts: list[Timing]) -> Timing:
+    peaks = [t.peak_mem_gib for t in ts if t.peak_mem_gib is not None]
+    return Timing(variant, statistics.median(t.forward_ms for t in ts), statistics.median(t.backward_ms for t in ts),
+                  statistics.median(t.optimizer_ms for t in ts), statistics.median(t.e2e_ms for t in ts),
+                  max(peaks) if peaks else None)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3); one value is its own quartiles."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, med, q3
+
+
 def _run_variants(args: argparse.Namespace, variants: list[str], device: torch.device, dtype: torch.dtype,
                   out: dict[str, Any], is_main: bool) -> None:
     """Time every variant on this process group (started here when not under torchrun); fill ``out``."""
@@ -416,26 +454,24 @@ def _run_variants(args: argparse.Namespace, variants: list[str], device: torch.d
         dist.init_process_group("gloo")
     mesh = make_mesh(device.type, dist.get_world_size(), args.replicate)
     out["world_size"] = dist.get_world_size()
-    results = []
-    for i, v in enumerate(variants):
-        _say(f"[{i + 1}/{len(variants)}] {v} ...")
-        results.append(_time_variant(v, args, device, dtype, mesh))
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    per_round = _alternate(args, variants, device, dtype, mesh)
+    results = [_median_timing(v, [rnd[v] for rnd in per_round]) for v in variants]
     base = next((r for r in results if r.variant == "fsdp_adamw"), results[0])
+    spread = {v: _quartiles([rnd[v].step_ms / rnd[base.variant].step_ms for rnd in per_round]) for v in variants}
     hsdp = (f", HSDP {args.replicate} x {out['world_size'] // args.replicate}, replicate async "
             f"{args.replicate_async}" if args.replicate > 1 else "")
     _say(f"\n{args.preset} on {out['world_size']} x {out['device']} ({dtype}, batch {args.batch} x {args.seq}"
-         f"{hsdp}); ratios vs {base.variant}")
-    _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'e2e ms':>8} "
-         f"{'e2e r':>6} {'peak GiB':>8}")
+         f"{hsdp}); ratios vs {base.variant}, median of {len(per_round)} rounds [quartiles]")
+    _say(f"{'variant':<16} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8} {'step ms':>8} {'ratio':>6} {'[q1-q3]':>13} "
+         f"{'e2e ms':>8} {'e2e r':>6} {'peak GiB':>8}")
     for r in results:
         peak = f"{r.peak_mem_gib:8.2f}" if r.peak_mem_gib is not None else "       -"
+        q1, med, q3 = spread[r.variant]
         _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
-             f"{r.step_ms / base.step_ms:6.2f} {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
-    out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=r.step_ms / base.step_ms,
-                           e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
+             f"{med:6.2f} [{q1:5.2f}-{q3:5.2f}] {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
+    out["rounds"] = len(per_round)
+    out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=spread[r.variant][1], ratio_q1=spread[r.variant][0],
+                           ratio_q3=spread[r.variant][2], e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
     if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
         try:
