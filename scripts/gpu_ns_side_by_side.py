@@ -58,6 +58,13 @@ def variants(schedule: list[tuple[float, float, float]], coefficients: str, gns_
     for backend in ("direct", "direct_fp16", "gram", "auto"):
         out[f"dmuon {backend}"] = (lambda G, b=backend: newton_schulz_native(G, len(schedule), coefficients,
                                                                             backend=b))
+    from dmuon.optim import _graphs
+
+    def auto(G: torch.Tensor) -> torch.Tensor:
+        return newton_schulz_native(G, len(schedule), coefficients, backend="auto")
+
+    # what dmuon.Muon runs for groups of at most _graphs.MAX_ELEMENTS (here for every group, to compare)
+    out["dmuon auto + CUDA graph"] = lambda G: _graphs.run(auto, G, ("side-by-side", coefficients))
     try:
         from gram_newton_schulz import GramNewtonSchulz
 

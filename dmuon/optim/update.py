@@ -160,8 +160,22 @@ def muon_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, hp: MuonH
     """
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     update = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
-    ortho = newton_schulz_native(update, hp.ns_steps, hp.ns_coefficients, hp.eps, backend=hp.ns_backend)
-    _apply_update_(param, ortho, hp)
+    _apply_update_(param, _orthogonalise(update, hp), hp)
+
+
+def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
+    """Newton-Schulz of one matrix or a stacked group; on CUDA replayed from a graph per shape group
+    ([Note: NS graphs] in ``dmuon/optim/_graphs.py``): the same kernels, bit for bit."""
+    def ns(X: Tensor) -> Tensor:
+        return newton_schulz_native(X, hp.ns_steps, hp.ns_coefficients, hp.eps, backend=hp.ns_backend)
+
+    if not update.is_cuda:
+        return ns(update)
+    from . import _graphs
+
+    if not _graphs.enabled(update):
+        return ns(update)
+    return _graphs.run(ns, update, (hp.ns_steps, repr(hp.ns_coefficients), hp.eps, hp.ns_backend))
 
 
 def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams) -> None:
@@ -194,6 +208,6 @@ def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], moment
             torch.lerp(g, buf, hp.momentum, out=u)
         else:
             u.copy_(buf)
-    orthos = newton_schulz_native(updates, hp.ns_steps, hp.ns_coefficients, hp.eps, backend=hp.ns_backend)
+    orthos = _orthogonalise(updates, hp)
     for p, o in zip(params, orthos.unbind(0)):
         _apply_update_(p, o, hp)
