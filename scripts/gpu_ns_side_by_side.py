@@ -85,8 +85,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--gns-compile", action="store_true", help="gram-newton-schulz with its torch.compile default")
     ap.add_argument("--shares", default=",".join(SHARES))
+    ap.add_argument("--gram-restarts", default=None, metavar="FIRST,EVERY",
+                    help="experiment: the Gram form's restart schedule (GRAM_FIRST_RESTART, GRAM_RESTART_EVERY)")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.gram_restarts:
+        from dmuon.optim import newton_schulz as ns_module
+
+        ns_module.GRAM_FIRST_RESTART, ns_module.GRAM_RESTART_EVERY = (int(v) for v in args.gram_restarts.split(","))
     schedule = [parse_coefficients(args.coefficients)[min(k, len(parse_coefficients(args.coefficients)) - 1)]
                 for k in range(args.steps)]
     found = variants(schedule, args.coefficients, args.gns_compile)
@@ -119,7 +125,7 @@ def main() -> None:
         b = base[key.split(" | ")[0]]
         lines.append(f"{key:48s} {v['ms']:9.2f} {v['ms'] / b if b else float('nan'):8.3f} {v['worst_distance']:19.2e}")
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "coefficients": args.coefficients,
-            "steps": args.steps, "reps": args.reps}
+            "steps": args.steps, "reps": args.reps, "gram_restarts": args.gram_restarts or "default"}
     try:
         import gram_newton_schulz
         meta["gram_newton_schulz"] = getattr(gram_newton_schulz, "__version__", "installed")
