@@ -1,4 +1,6 @@
-"""Communication counter: what dmuon's own collectives move, so tests and benchmarks can check the cost model.
+"""What dmuon does on each rank: the communication counter (what dmuon's own collectives move, so tests and
+benchmarks can check the cost model), the Newton–Schulz call of each shape group, and :func:`summarize`,
+one page per job.
 
 Every collective dmuon issues goes through :mod:`dmuon.runtime.comm`, which records its payload in the
 model's :class:`CommCounter`; this page reads it.
@@ -18,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +28,11 @@ import torch.nn as nn
 
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
-from .runtime.comm import CommCounter, CommKind
+from .partition import ns_cost
+from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .runtime.hooks import get_state
 
-__all__ = ["CommKind", "CommCounter", "comm_counts", "reset_comm_counts", "ns_backends"]
+__all__ = ["CommKind", "CommCounter", "Summary", "comm_counts", "reset_comm_counts", "ns_backends", "summarize"]
 
 
 def _counter(model: nn.Module) -> CommCounter:
@@ -84,3 +88,79 @@ def ns_backends(optimizer: Muon) -> list[dict[str, Any]]:
             out.append({"shape": (n, *shape), **explain((n, *shape), group["ns_backend"],
                                                          device=device or torch.device("cpu"))})
     return out
+
+
+# ---------------------------------------------------------------------- #
+# One page per job: who owns what, what a step should move, what it moved #
+# ---------------------------------------------------------------------- #
+_KINDS = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_publish")
+
+
+@dataclass
+class Summary:
+    """What :func:`summarize` gathered: one row per rank. ``as_dict()`` is JSON-able; ``str()`` a table."""
+
+    rows: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ranks": self.rows}
+
+    def table(self) -> str:
+        head = (f"{'rank':>4} {'slot':>4} {'owned':>5} {'elements':>12} {'MiB':>9} {'NS share':>8}  "
+                + "  ".join(f"{k} expected/measured" for k in _KINDS))
+        lines = [head]
+        total_flops = sum(r["ns_flops"] for r in self.rows) or 1
+        for r in self.rows:
+            moved = "  ".join(f"{r['expected'][k]:,}/{r['measured'].get(k, 0):,}" for k in _KINDS)
+            lines.append(f"{r['rank']:>4} {r['slot']:>4} {len(r['owned']):>5} {r['owned_elements']:>12,} "
+                         f"{r['owned_bytes'] / 2**20:>9.2f} {r['ns_flops'] / total_flops:>8.1%}  {moved}")
+        for r in self.rows:
+            lines.append(f"rank {r['rank']}: " + ", ".join(f"{p['fqn']} {tuple(p['shape'])}" for p in r["owned"]))
+            for g in r.get("ns_backends", []):
+                lines.append(f"  NS {tuple(g['shape'])}: {g['form']} ({g['dtype']}), symmetric products "
+                             f"{g['symmetric_products']}: {g['why']}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
+    """Per rank: the dedicated matrices it owns (shape, elements, bytes, NS cost), the elements one step
+    should move by kind (``docs/architecture.md`` section 5) next to what the counters measured since the
+    last :func:`reset_comm_counts`, and with ``optimizer`` the NS call of each shape group
+    (:func:`ns_backends`). Collective: every rank gets every row.
+
+    Example::
+
+        dmuon.diagnostics.reset_comm_counts(model)
+        train_one_step()
+        summary = dmuon.diagnostics.summarize(model, optimizer=optimizer)
+        if dist.get_rank() == 0:
+            print(summary)                      # a table
+            json.dump(summary.as_dict(), f)     # or JSON
+    """
+    state = get_state(model)
+    ctx = state.ctx
+    dps = list(state.dedicated())
+    P = sum(dp.shape.numel() for dp in dps)
+    column = sum(dp.shape.numel() for dp in dps if dp.owner % ctx.shard_size == ctx.shard_index)
+    hsdp = ctx.replicate_size > 1
+    owned = [dp for dp in dps if dp.is_owner]
+    counts = comm_counts(model)
+    row = {
+        "rank": torch.distributed.get_rank(), "slot": ctx.rank,
+        "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
+                   "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
+                   "ns_flops": ns_cost((int(dp.shape[0]), int(dp.shape[1])))} for dp in owned],
+        # the replicate stages move the tensors of this rank's shard column, on each of its holders
+        "expected": {"forward_broadcast": P, "backward_broadcast": P if state.config.reshard_after_forward else 0,
+                     "reduce": P + (column if hsdp else 0), "replicate_publish": column if hsdp else 0},
+        "measured": {k: v["elements"] for k, v in counts.items() if isinstance(v, dict) and "elements" in v},
+    }
+    row["owned_elements"] = sum(p["numel"] for p in row["owned"])
+    row["owned_bytes"] = sum(p["bytes"] for p in row["owned"])
+    row["ns_flops"] = sum(p["ns_flops"] for p in row["owned"])
+    if optimizer is not None:
+        row["ns_backends"] = [{**g, "shape": list(g["shape"])} for g in ns_backends(optimizer)]
+    return Summary(sorted(all_gather_object(ctx, row), key=lambda r: r["rank"]))  # type: ignore[arg-type]

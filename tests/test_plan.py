@@ -12,6 +12,7 @@ import pytest
 from dmuon.partition import assign_owners
 from dmuon.tools.plan import make_plan, shape_from_hf_config
 from dmuon.tools.presets import projection_specs
+from tests._asserts import ROOT, child_env
 
 
 def test_cli_json_for_llama3_8b_at_64_ranks():
@@ -63,3 +64,15 @@ def test_bad_input_is_rejected(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dmuon.plan", "--preset", "nope", "--world-size", "8"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_per_param_lists_every_matrix_with_the_owner_dedicate_params_would_pick():
+    info = make_plan("llama3.2-1b", world_size=8)
+    owners = assign_owners(projection_specs("llama3.2-1b"), 8).owners
+    assert {p["fqn"]: p["owner"] for p in info["per_param"]} == owners
+    out = subprocess.run([sys.executable, "-m", "dmuon.plan", "--preset", "llama3.2-1b", "--world-size", "8",
+                          "--per-param"], capture_output=True, text=True, check=True, cwd=ROOT, env=child_env()).stdout
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("owner")) + 1
+    listed = {line.split()[-1]: int(line.split()[0]) for line in lines[start:]}
+    assert listed == owners

@@ -98,6 +98,8 @@ def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype
         "summary": plan.summary_line(),
         "elements_moved_per_rank_per_step": moved,
         "per_rank": per_rank,
+        "per_param": [{"fqn": s.fqn, "shape": list(s.shape), "owner": plan.owners[s.fqn], "ns_cost": s.cost}
+                      for s in specs],
     }
 
 
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="HSDP replicate size (default 1: plain FSDP)")
     parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--per-param", action="store_true", help="also list every matrix with its owner rank")
     args = parser.parse_args(argv)
     try:
         shape = args.preset if args.preset else shape_from_hf_config(args.config)
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nelements moved per rank per step (payload): Z3 {sum(m['z3'].values()):,}  Z2 {sum(m['z2'].values()):,}"
           f"  (forward broadcast P, backward re-broadcast P under Z3, reduce P; P = {info['dedicated_elements']:,})")
     print("owned GiB: weights + Muon momentum (+ HSDP column copies); peak+: transient full copies on top")
+    if args.per_param:
+        print(f"\n{'owner':>5} {'shape':>14} {'NS flops/iter':>14}  matrix")
+        for p in sorted(info["per_param"], key=lambda p: (p["owner"], p["fqn"])):
+            print(f"{p['owner']:>5} {'x'.join(map(str, p['shape'])):>14} {p['ns_cost']:>14.3e}  {p['fqn']}")
     return 0
 
 
