@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch.nn as nn
 
 from ._fsdp import fsdp_modules
-from .runtime.hooks import get_state
+from .runtime.hooks import get_state, unwrap_ddp
 
 __all__ = ["no_sync"]
 
 
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Inside: no dedicated gradient reduce, no FSDP2 reduce-scatter, no replicated all-reduce; every rank
-    accumulates its local gradients. The first backward outside reduces the accumulated sum.
+    """Inside: no dedicated gradient reduce, no FSDP2 reduce-scatter, no replicated all-reduce (and for a
+    ``DistributedDataParallel`` model, DDP's own ``no_sync``); every rank accumulates its local gradients. The first backward outside reduces the accumulated sum.
 
     Weights still travel (forward broadcast, and under Z3 the backward re-broadcast): only gradient
     traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile
@@ -38,8 +38,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     state.sync_grads = False
     for m in fsdp:
         m.set_requires_gradient_sync(False, recurse=False)
+    ddp_sync = model.no_sync() if unwrap_ddp(model) is not model else nullcontext()  # DDP's own params
     try:
-        yield
+        with ddp_sync:
+            yield
     finally:
         state.sync_grads = previous
         for m in fsdp:

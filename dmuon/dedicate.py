@@ -289,6 +289,14 @@ def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
 def _check_model(model: nn.Module) -> None:
     """Refuse a model dmuon already prepared, one ``fully_shard`` already sharded, or a ``torch.compile``
     wrapper (its hooks and names belong to the module inside)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "dmuon.dedicate_params: got a DistributedDataParallel wrapper; call dedicate_params on the model "
+            "first, then wrap it: dmuon.dedicate_params(model, mesh, ...); ddp = DistributedDataParallel(model); "
+            "optimizer = dmuon.Muon(ddp, ...). DDP then leaves the dedicated params to dmuon."
+        )
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
         raise ValueError(
             f"dmuon.dedicate_params: got a torch.compile wrapper ({type(model).__name__}); call dedicate_params "
@@ -375,6 +383,9 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
     state.install_module_guards()
+    # A DistributedDataParallel built on this model later reads this list and leaves these params out of
+    # its broadcasts and all-reduces (torch's own ignore mechanism); without DDP nothing reads it.
+    model._ddp_params_and_buffers_to_ignore = [s.fqn for s in selected]
     return state
 
 

@@ -53,3 +53,10 @@ def test_manual_overrides_recipe_runs_under_torchrun() -> None:
     assert match.group(1) == match.group(2)
     steps = re.findall(r"optimizer step (\d+)", proc.stdout)
     assert steps == ["1", "2", "3", "4"], proc.stdout
+
+
+def test_ddp_recipe_runs_under_torchrun() -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/ddp_dmuon.py"])
+    match = re.search(r"ddp_dmuon: OK loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
+    assert match, proc.stdout
+    assert float(match.group(2)) < float(match.group(1))

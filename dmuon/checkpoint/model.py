@@ -54,7 +54,7 @@ class _Entry:
 def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
     dedicated = {id(dp.current()): dp for dp in state.dedicated()}
     entries = []
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in state.model.state_dict(keep_vars=True).items():  # the module a DDP wrapper holds
         if id(t) in dedicated:
             dp = dedicated[id(t)]
             entries.append(_Entry(key, dp.master if dp.master is not None else t, _Kind.DEDICATED, dp))

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .._fsdp import cast_dtypes, fsdp_modules
-from ..runtime.hooks import DMuonState, get_state
+from ..runtime.hooks import DMuonState, get_state, unwrap_ddp
 from ..runtime.param import DedicatedParam, is_dedicated
 from ..runtime.precision import check_float_dtype, is_wider
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
@@ -202,6 +202,8 @@ class Muon(torch.optim.Optimizer):
         check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
         state = get_state(model)
+        ddp = unwrap_ddp(model) is not model  # DDP averages the other params' gradients itself
+        model = unwrap_ddp(model)
         _check_fsdp_compute_dtype(model, state)
         state.bind_if_needed()
         owned = [(dp.fqn, dp.bound()) for dp in state.owned()]
@@ -230,7 +232,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__([muon_group, *self._adamw.param_groups], defaults={})
         self._building = False
         self._adamw.state = self.state
-        state.replicated_params = [p for _, p in replicated]
+        # under DDP they are averaged already; averaging identical values again would only cost an all-reduce
+        state.replicated_params = [] if ddp else [p for _, p in replicated]
 
     # ------------------------------------------------------------------ #
     def add_param_group(self, param_group: dict[str, Any]) -> None:

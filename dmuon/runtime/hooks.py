@@ -371,9 +371,18 @@ def live_states() -> list[DMuonState]:
     return list(_LIVE)
 
 
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (the one ``dedicate_params`` prepared); ``model``
+    itself otherwise."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def get_state(model: nn.Module) -> DMuonState:
-    """The state ``dedicate_params`` attached to ``model``; a clear error if there is none."""
-    state = getattr(model, STATE_ATTR, None)
+    """The state ``dedicate_params`` attached to ``model`` (or to the module a DDP wrapper holds); a clear
+    error if there is none."""
+    state = getattr(unwrap_ddp(model), STATE_ATTR, None)
     if state is None:
         raise ValueError(
             f"dmuon: {type(model).__name__} has no dedicated params; call dmuon.dedicate_params(model, mesh, ...) "

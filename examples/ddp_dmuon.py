@@ -1,0 +1,78 @@
+"""dmuon with DistributedDataParallel instead of FSDP2, runnable as is.
+
+    torchrun --nproc_per_node 2 examples/ddp_dmuon.py
+
+``dmuon.dedicate_params`` first: it puts the dedicated matrices on DDP's own ignore list
+(``_ddp_params_and_buffers_to_ignore``), so the ``DistributedDataParallel`` built next broadcasts and
+all-reduces only the other parameters, and dmuon owns, broadcasts and reduces the matrices. Pass the DDP
+model to ``dmuon.Muon`` (and to ``dmuon.no_sync`` for accumulation, which then also enters DDP's
+``no_sync``). The model and data are the custom-loop example's. Exits non-zero if the loss did not
+decrease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+try:
+    import dmuon
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import dmuon
+from custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E402 - this folder's example
+
+ACCUM = 2  # micro-batches per step: all but the last under dmuon.no_sync
+
+
+def main() -> int:
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world_size,))
+
+    torch.manual_seed(0)
+    model = MyModel().to(device)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2 and "proj" in n)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    optimizer = dmuon.Muon(ddp, lr=0.02, adamw_lr=1e-3)
+
+    dataset = MarkovTokens(STEPS * BATCH_PER_RANK * world_size)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH_PER_RANK // ACCUM, sampler=sampler)
+
+    losses: list[float] = []
+    for i, batch in enumerate(loader):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        last = (i + 1) % ACCUM == 0
+        with contextlib.nullcontext() if last else dmuon.no_sync(ddp):
+            loss = ddp(batch).loss / ACCUM
+            loss.backward()
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+            logged = loss.detach().clone() * ACCUM
+            dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+            losses.append(logged.item())
+            if rank == 0:
+                print(f"step {len(losses):>2}  loss {losses[-1]:.4f}", flush=True)
+
+    ok = losses[-1] < losses[0]
+    if rank == 0:
+        print(f"ddp_dmuon: {'OK' if ok else 'FAILED'} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
