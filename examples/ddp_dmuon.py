@@ -13,6 +13,7 @@ decrease.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -70,6 +71,11 @@ def main() -> int:
     ok = losses[-1] < losses[0]
     if rank == 0:
         print(f"ddp_dmuon: {'OK' if ok else 'FAILED'} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    # Free DDP (its reducer holds the process group) and the model before tearing the group down, on every
+    # rank at the same point: a DDP model alive at destroy_process_group hung one gloo run at exit.
+    dist.barrier()
+    del ddp, optimizer, model
+    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 
