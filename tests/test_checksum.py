@@ -166,3 +166,27 @@ def test_flipped_bytes_and_torn_saves_are_refused_on_every_rank():
         model_msg, optim_msg = r["torn"]["T"]
         assert "checksums do not match" in model_msg and "torn" in model_msg, model_msg
         assert "checksums do not match" in optim_msg, optim_msg
+
+
+def shard_layouts_job(rank: int, world: int) -> dict:
+    """Row shards, an empty row shard (1 row over 2 ranks) and a column shard (every rank gathers):
+    each rank's parts add up to the full tensor's checksum, and no rank is left alone in a collective."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    from dmuon.checkpoint.checksum import dtensor_part
+
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    out = {}
+    for name, shape, dim in (("rows", (7, 5), 0), ("one_row", (1, 6), 0), ("columns", (4, 9), 1)):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(len(name))).to(device())
+        part = dtensor_part(distribute_tensor(full, mesh, [Shard(dim)]))
+        torch.distributed.all_reduce(part)
+        out[name] = (int(part) % P, int(checksum_part(full)))
+    return out
+
+
+def test_shards_of_any_layout_add_up_to_the_full_checksum():
+    for r in run_distributed(shard_layouts_job, 2):
+        for name, (parts, whole) in r.items():
+            assert parts == whole, name

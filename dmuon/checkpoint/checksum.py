@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..runtime import comm as C
 
@@ -102,25 +102,33 @@ def words_per_element(dtype: torch.dtype) -> int:
     return 1 if size <= 2 or dtype == torch.bool else size // 4
 
 
+def _rows_sharded(t: DTensor) -> bool:
+    """Whether every rank's shard of ``t`` is one range of rows of the row-major tensor: placements only
+    ``Replicate`` and at most one plain ``Shard(0)``. Decided from the placements alone, which every rank
+    shares, so every rank takes the same path (the other one is a collective)."""
+    shards = [p for p in t.placements if not isinstance(p, Replicate)]
+    return len(shards) <= 1 and all(type(p) is Shard and p.dim == 0 for p in shards)
+
+
 def shard_range(t: DTensor) -> tuple[int, int] | None:
     """``(first element, element count)`` of this rank's shard of ``t`` in the row-major full tensor, as
     this rank counts it for the checksum: ``(0, 0)`` where another rank counts it (replicated mesh dims
-    count at coordinate 0) or this rank is not in the mesh. ``None``: the shard is not one contiguous
-    range (sharding along another dim), so coordinate 0 counts the full tensor."""
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return 0, 0
-    chunks = t.__create_chunk_list__() if hasattr(t, "__create_chunk_list__") else []
-    shape = tuple(t.shape)
-    if len(chunks) != 1 or tuple(chunks[0].sizes)[1:] != shape[1:] or not t.to_local().is_contiguous():
+    count at coordinate 0), where the shard is empty, or where this rank is not in the mesh. ``None`` (on
+    every rank alike, see :func:`_rows_sharded`): the shards are not row ranges, so coordinate 0 counts
+    the full tensor."""
+    if not _rows_sharded(t):
         return None
-    if not all(c == 0 for c, pl in zip(coord, t.placements) if isinstance(pl, Replicate)):
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or not all(c == 0 for c, pl in zip(coord, t.placements) if isinstance(pl, Replicate)):
         return 0, 0
+    n = t.to_local().numel()
+    if n == 0 or not t.shape:
+        return 0, n
     row = 1
-    for s in shape[1:]:
+    for s in t.shape[1:]:
         row *= s
-    first = int(chunks[0].offsets[0]) * row if shape else 0
-    return first, t.to_local().numel()
+    (chunk,) = t.__create_chunk_list__()
+    return int(chunk.offsets[0]) * row, n
 
 
 def counts_full(t: DTensor) -> bool:
