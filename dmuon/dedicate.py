@@ -170,7 +170,7 @@ def dedicate_params(
         v = _validate(model, mesh, predicate, replicate_mesh, hook_boundary_predicate, hook_boundary_strict,
                       RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-    except (ValueError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 - also a user predicate's own error: the peers must not wait for it
         if dist.is_available() and dist.is_initialized():
             _agree(f"{type(err).__name__}: {err}", None)  # the peers raise too, instead of waiting for this rank
         raise

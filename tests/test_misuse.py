@@ -242,24 +242,30 @@ def test_dedicate_params_needs_torch_distributed():
 
 
 def one_rank_refuses_job(rank: int, world: int) -> dict:
-    """Only rank 1 passes a predicate that selects nothing: before, rank 0 went on into the collective plan
-    check and waited there for rank 1 until the process group's timeout."""
+    """Only rank 1 passes a predicate that selects nothing (or that raises): before, rank 0 went on into the
+    collective plan check and waited there for rank 1 until the process group's timeout."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     model = build_model()
     before = _fingerprint(model)
-    predicate = (lambda n, p: False) if rank == 1 else (lambda n, p: p.ndim == 2 and "proj" in n)
-    try:
-        dmuon.dedicate_params(model, mesh, predicate)
-        error = ""
-    except ValueError as e:
-        error = str(e)
-    return {"error": error, "unchanged": _unchanged(before, model)}
+    out = {}
+    for case, bad in (("selects_nothing", lambda n, p: False), ("raises", lambda n, p: {}[n])):
+        predicate = bad if rank == 1 else (lambda n, p: p.ndim == 2 and "proj" in n)
+        try:
+            dmuon.dedicate_params(model, mesh, predicate)
+            out[case] = ""
+        except (ValueError, KeyError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    out["unchanged"] = _unchanged(before, model)
+    return out
 
 
 def test_a_rank_that_refuses_alone_makes_every_rank_raise():
     r0, r1 = run_distributed(one_rank_refuses_job, 2)
-    assert "selected no parameters" in r1["error"], r1["error"]
-    assert "refused on rank 1" in r0["error"] and "selected no parameters" in r0["error"], r0["error"]
+    assert "selected no parameters" in r1["selects_nothing"], r1
+    assert "refused on rank 1" in r0["selects_nothing"] and "selected no parameters" in r0["selects_nothing"], r0
+    # a predicate that raises on one rank: that rank keeps its own error, the other is told
+    assert r1["raises"].startswith("KeyError"), r1
+    assert r0["raises"].startswith("ValueError") and "refused on rank 1: KeyError" in r0["raises"], r0
     assert r0["unchanged"] and r1["unchanged"]
