@@ -1,6 +1,6 @@
 """quack's symmetric GEMM (CuTeDSL kernels, Hopper and newer) for Newton–Schulz's symmetric products, used
-when the optional extra is installed (``pip install "dmuon[quack]"``); :mod:`dmuon.optim._symmetric` asks
-here first and falls back to its Triton kernel. Pure tensor math, no ``torch.distributed``.
+when the optional extra is installed (``pip install "dmuon[quack]"``); :func:`dmuon.optim._symmetric.kernel_for`
+decides when. Pure tensor math, no ``torch.distributed``.
 
 Measured on an H200 (torch 2.11, quack-kernels 0.5.0, ``scripts/gpu_ns_side_by_side.py``): with it
 ``"auto"`` takes 73.1 ms on the Llama-3.1-8B share at 8 ranks against 88.3 ms with the Triton kernel.
@@ -18,7 +18,7 @@ try:
 except Exception:  # noqa: BLE001 - optional: a missing or broken install leaves the Triton kernel in charge
     gemm_symmetric = None
 
-__all__ = ["QUACK_MIN_DIM", "available", "why_not", "usable", "symmetric_product"]
+__all__ = ["QUACK_MIN_DIM", "available", "why_not", "symmetric_product"]
 
 #: smallest ``m`` worth quack's kernel inside NS: measured on an H200 the whole NS call was slower with it
 #: than with cuBLAS's full products at m = 512 (4 x 512 x 2048: 1.16 ms against 0.34) and m = 1024
@@ -46,13 +46,6 @@ def why_not(device: torch.device) -> str | None:
     if major < 9:
         return f"quack's symmetric GEMM needs Hopper or newer (compute capability 9.0), got {major}.{minor}"
     return None
-
-
-def usable(Y: Tensor) -> bool:
-    """Whether :func:`symmetric_product` runs on quack for ``Y``: a 16-bit float on a Hopper+ GPU with
-    quack installed, ``m >= QUACK_MIN_DIM``."""
-    return (gemm_symmetric is not None and Y.is_cuda and Y.dtype in (torch.float16, torch.bfloat16)
-            and Y.shape[-2] >= QUACK_MIN_DIM and available(Y.device))
 
 
 def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, *,

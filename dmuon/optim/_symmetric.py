@@ -23,7 +23,7 @@ try:
 except ImportError:  # the kernel is optional: without Triton, callers keep torch's matmuls
     triton = None
 
-__all__ = ["SYMMETRIC_MIN_DIM", "symmetric_product", "usable"]
+__all__ = ["SYMMETRIC_MIN_DIM", "kernel_for", "symmetric_product", "usable"]
 
 #: smallest ``m`` (rows of ``Y``) worth the kernel: at ``m = 512`` cuBLAS's full product was faster, and at
 #: ``m = 1024`` the whole Gram-form NS call was (8 x 1024 x 4096 on an H200: 1.77 ms against 1.17)
@@ -77,12 +77,28 @@ def _upper_pairs(tiles: int, device: torch.device) -> Tensor:
     return _PAIRS[key]
 
 
+def kernel_for(device: torch.device, dtype: torch.dtype, m: int) -> tuple[str, str]:
+    """Which kernel forms ``Y Y^T``-like products of ``m`` rows on ``device`` in ``dtype``, and why:
+    ``"quack"`` (Hopper+, installed, ``m >= QUACK_MIN_DIM``), ``"triton"`` (CUDA, Triton importable,
+    ``m >= SYMMETRIC_MIN_DIM``), or ``"torch"`` (the full product). The one place this is decided."""
+    if device.type != "cuda":
+        return "torch", f"{device.type}: torch's products"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "torch", f"{dtype}: the symmetric kernels take 16-bit floats"
+    quack_no = _quack.why_not(device)
+    if quack_no is None and m >= _quack.QUACK_MIN_DIM:
+        return "quack", "quack's symmetric GEMM (Hopper+)"
+    if triton is not None and m >= SYMMETRIC_MIN_DIM:
+        return "triton", f"Triton's symmetric kernel ({quack_no or 'quack below its size'})"
+    if m < SYMMETRIC_MIN_DIM:
+        return "torch", f"m = {m} < {SYMMETRIC_MIN_DIM}: cuBLAS's full products are faster"
+    return "torch", "neither quack nor Triton is installed"
+
+
 def usable(Y: Tensor) -> bool:
-    """Whether :func:`symmetric_product` should replace torch's matmul for ``Y Y^T`` on this tensor: quack's
-    kernel where it runs (:mod:`dmuon.optim._quack`), else CUDA with Triton importable, a floating 16-bit
-    dtype, and ``m >= SYMMETRIC_MIN_DIM``."""
-    return _quack.usable(Y) or (triton is not None and Y.is_cuda and Y.dtype in (torch.bfloat16, torch.float16)
-                                and Y.shape[-2] >= SYMMETRIC_MIN_DIM)
+    """Whether :func:`symmetric_product` should replace torch's matmul for ``Y Y^T`` on this tensor (see
+    :func:`kernel_for`)."""
+    return kernel_for(Y.device, Y.dtype, Y.shape[-2])[0] != "torch"
 
 
 def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, *,
@@ -99,7 +115,7 @@ def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, be
         B = symmetric_product(A, A, alpha=c, beta=b)   # b A + c A A, for symmetric A
         Q = symmetric_product(P, Z=Q)                  # P Q, for commuting symmetric P, Q
     """
-    if _quack.usable(Y):
+    if kernel_for(Y.device, Y.dtype, Y.shape[-2])[0] == "quack":
         return _quack.symmetric_product(Y, D, alpha, beta, Z=Z)
     if triton is None:
         raise RuntimeError("dmuon: symmetric_product needs Triton")

@@ -329,21 +329,14 @@ def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
     dev = torch.device(device) if device is not None else torch.device("cpu")
     form = resolve_backend(shape, backend, device=dev)
     dtype = torch.bfloat16 if form == "direct" else torch.float16
-    m = min(shape[-2:])
-    from . import _quack, _symmetric
-
     if backend != "auto":
         kernel, why = "torch", f"backend={backend!r}: torch's products (only 'auto' uses the symmetric kernels)"
     elif dev.type != "cuda":
         kernel, why = "torch", f"{dev.type}: 'auto' is torch's bfloat16 direct form (float16 products are slow there)"
-    elif _quack.why_not(dev) is None and m >= _quack.QUACK_MIN_DIM:
-        kernel, why = "quack", "quack's symmetric GEMM (Hopper+)"
-    elif _symmetric.triton is not None and m >= _symmetric.SYMMETRIC_MIN_DIM:
-        kernel, why = "triton", f"Triton's symmetric kernel ({_quack.why_not(dev) or 'quack below its size'})"
     else:
-        small = m < _symmetric.SYMMETRIC_MIN_DIM
-        kernel, why = "torch", (f"m = {m} < {_symmetric.SYMMETRIC_MIN_DIM}: cuBLAS's full products are faster"
-                                if small else "neither quack nor Triton is installed")
+        from . import _symmetric
+
+        kernel, why = _symmetric.kernel_for(dev, dtype, min(shape[-2:]))
     return {"form": form, "dtype": str(dtype).removeprefix("torch."), "symmetric_products": kernel, "why": why}
 
 
