@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.tools.bench import make_mesh
 from tests._asserts import WEIGHT_RTOL, rel_err
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate
@@ -43,10 +44,7 @@ def _oracle() -> dict:
 def clip_job(rank: int, world: int, layout: str, via: str) -> dict:
     """``via="torch"``: clip with ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as an
     unchanged script would (``import dmuon`` routes it; see [Note: torch's clip on a dmuon model])."""
-    if layout == "hsdp":
-        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    mesh = make_mesh(DEVICE_TYPE, world, replicate=2 if layout == "hsdp" else 1)
     model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     if layout != "plain":

@@ -7,19 +7,16 @@ import json
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.tools.bench import make_mesh
 from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import GLOBAL_BATCH, KJ, batches, build_model, projection_predicate
 
 
 def summarize_job(rank: int, world: int, layout: str) -> dict:
-    if layout == "hsdp":
-        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    mesh = make_mesh(DEVICE_TYPE, world, replicate=2 if layout == "hsdp" else 1)
     model = build_model().to(device())
     dmuon.dedicate_params(model, mesh, projection_predicate)
     fully_shard(model, mesh=mesh)
