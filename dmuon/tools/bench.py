@@ -290,7 +290,8 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                      ns_coefficients=ns["ns_coefficients"], eps=1e-7, ns_backend=ns["ns_backend"])
     dmuon_ms = timed(lambda: [muon_update_batch_([w for w, _, _ in grp], [g for _, g, _ in grp], [b for _, _, b in grp], hp)
                               for grp in by_shape.values()])
-    del owned, by_shape
+    owned.clear()  # free the busiest owner's matrices before torch's pass (the lambda above is done with them)
+    by_shape.clear()
     _say(f"[2/2] torch.optim.Muon's NS on all {len(specs)} matrices ...")
     everything = [g for _, g, _ in mats([s.fqn for s in specs])]
     torch_ms = timed(lambda: [_zeropower_via_newtonschulz(g, KJ, 5, 1e-7) for g in everything])
