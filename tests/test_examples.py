@@ -60,3 +60,13 @@ def test_ddp_recipe_runs_under_torchrun() -> None:
     match = re.search(r"ddp_dmuon: OK loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
     assert match, proc.stdout
     assert float(match.group(2)) < float(match.group(1))
+
+
+def test_param_groups_recipe_runs_under_torchrun() -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/param_groups.py"])
+    match = re.search(r"param_groups: OK loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
+    assert match, proc.stdout
+    assert float(match.group(2)) < float(match.group(1))
+    groups = dict(re.findall(r"^group (\w+)\s+(adamw|muon)\s", proc.stdout, flags=re.MULTILINE))
+    assert groups == {"no_decay": "adamw", "embed_head": "adamw", "mlp": "muon", "default_muon": "muon",
+                      "default_adamw": "adamw"}, proc.stdout

@@ -7,8 +7,9 @@
   on an oracle model (with gradient accumulation, DTensor + dedicated + plain gradients), the gradients
   it hands to the optimizer are clipped to ``max_grad_norm``, its scheduler scales every param group,
   and plain (unsharded) params stay identical across ranks;
-* ``DMuonTrainer``: save at step 4, resume a fresh (differently initialised) model from it, and the
-  continued losses and final weights equal an uninterrupted run's exactly; ``from_pretrained`` loads the
+* ``DMuonTrainer`` with param groups: save at step 4, resume a fresh (differently initialised) model from
+  it, and the continued losses, final weights and every group's settings equal an uninterrupted run's
+  exactly; ``from_pretrained`` loads the
   checkpoint on one process;
 * the Accelerate example runs.
 """
@@ -68,7 +69,18 @@ def _rank_env(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
 
 
-def _build(seed: int, shard_root: bool) -> tuple[nn.Module, Any]:
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Per-group settings for the resume job: no decay on norms, the embedding's own lr, a second Muon lr."""
+    import dmuon
+
+    return [
+        {"name": "no_decay", "params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0},
+        {"name": "embed", "params": ["model.embed_tokens.weight"], "lr": 3e-3, "weight_decay": 0.0},
+        {"name": "attn", "params": [n for n in dmuon.get_dedicated_params(model) if "self_attn" in n], "lr": 0.01},
+    ]
+
+
+def _build(seed: int, shard_root: bool, groups: bool = False) -> tuple[nn.Module, Any]:
     import dmuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -82,7 +94,7 @@ def _build(seed: int, shard_root: bool) -> tuple[nn.Module, Any]:
         fully_shard(layer, mesh=mesh)
     if shard_root:
         fully_shard(model, mesh=mesh)
-    return model, dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    return model, dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, param_groups=_groups(model) if groups else None)
 
 
 def _args(output_dir: str, **kw: Any) -> Any:
@@ -158,8 +170,13 @@ def _clip_and_schedule_job(rank: int, world: int, outdir: str) -> dict[str, Any]
                 max_grad_norm=trainer.args.max_grad_norm)
 
 
+EDITED_MOMENTUM = 0.9
+
+
 def _resume_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
-    """DMuonTrainer: an uninterrupted 8-step run saving at 4 and 8, then a fresh model resumed from 4."""
+    """DMuonTrainer with param groups: an uninterrupted 8-step run saving at 4 and 8, which sets the
+    attention group's momentum to 0.9 after step 2; then a fresh model (built with the constructor's 0.95)
+    resumed from 4."""
     _rank_env(rank, world)
     from transformers import TrainerCallback
 
@@ -174,19 +191,28 @@ def _resume_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
             if logs and "loss" in logs:
                 self.by_step[state.global_step] = float(logs["loss"])
 
+        def on_step_end(self, args, state, control, optimizer=None, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                for g in optimizer.param_groups:
+                    if g["name"] == "attn":
+                        g["momentum"] = EDITED_MOMENTUM
+
     def run(seed: int, output_dir: str, resume: str | None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-        model, optimizer = _build(seed=seed, shard_root=True)
+        model, optimizer = _build(seed=seed, shard_root=True, groups=True)
         losses = Losses()
         trainer = DMuonTrainer(model=model, args=_args(output_dir, max_steps=8, save_steps=4),
                                train_dataset=_Tokens(64), optimizers=(optimizer, None), callbacks=[losses])
         trainer.train(resume_from_checkpoint=resume)
+        hyper.append([{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                      for g in optimizer.param_groups])
         return losses.by_step, dmuon.get_model_state_dict(model, rank0_only=True)
 
+    hyper: list[list[dict[str, Any]]] = []
     full_losses, full_final = run(0, os.path.join(outdir, "full"), None)
     resumed_losses, resumed_final = run(1, os.path.join(outdir, "resumed"),
                                         os.path.join(outdir, "full", "checkpoint-4"))
     return dict(full_losses=full_losses, resumed_losses=resumed_losses, full_final=full_final,
-                resumed_final=resumed_final)
+                resumed_final=resumed_final, full_hyper=hyper[0], resumed_hyper=hyper[1])
 
 
 def _trainer_jobs(rank: int, world: int, outdir: str) -> dict[str, Any]:
@@ -290,6 +316,10 @@ def test_dmuon_trainer_resume_equals_uninterrupted(trainer_runs: tuple[Path, lis
     assert max(diffs.values()) == 0.0, diffs  # bit-identical continuation
     for k, v in r0["full_final"].items():
         assert torch.equal(v, r0["resumed_final"][k]), k
+    # the per-group settings came back from the checkpoint (the resumed model was built with momentum 0.95)
+    assert r0["resumed_hyper"] == r0["full_hyper"]
+    attn = [g for g in r0["full_hyper"] if g["name"] == "attn"]
+    assert attn and all(g["momentum"] == EDITED_MOMENTUM and g["lr"] != MUON_LR for g in attn), attn
     # A plain single-process load of the final checkpoint gives the trained weights.
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / "checkpoint-8")).state_dict()
     assert loaded.keys() == r0["full_final"].keys()

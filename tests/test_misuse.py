@@ -199,7 +199,7 @@ def results() -> dict:
         ("settings_differ_per_rank", "RuntimeError", "different owner plans or settings"),
         ("muon_before_fully_shard_zero_grad", "ValueError", "built before fully_shard"),
         ("muon_before_fully_shard_step", "ValueError", "built before fully_shard"),
-        ("add_param_group", "TypeError", "add_param_group"),
+        ("add_param_group", "ValueError", "not a parameter of this model"),
         ("strict_multimodal_head", "ValueError", "'head.weight'"),
     ],
 )

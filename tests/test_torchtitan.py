@@ -10,6 +10,7 @@ token count, the Trainer's ``clip_grad_norm_`` call (``torchtitan.distributed.ut
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,24 @@ WARMUP = 2
 HP: dict[str, Any] = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, adamw_lr=3e-3,
                           adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1)
 LOSS_RTOL, NORM_RTOL, WEIGHT_RTOL = 1e-4, 1e-4, 5e-3  # loss and weight bounds as tests/test_parity.py
+# Param groups (torchtitan's ParamGroupConfig): norms without weight decay, the attention matrices on a
+# second Muon lr; the loop sets the attention group's momentum to EDITED_MOMENTUM before step EDIT_STEP
+# (before the save), so a restart only matches if the checkpoint carried it.
+NORMS, ATTENTION = r"norm", r"\.attention\."
+ATTENTION_LR, EDIT_STEP, EDITED_MOMENTUM = 0.01, 2, 0.9
+
+
+def _param_group_configs() -> list[Any]:
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    return [ParamGroupConfig(pattern=NORMS, optimizer_name="AdamW", optimizer_kwargs={"weight_decay": 0.0}),
+            ParamGroupConfig(pattern=ATTENTION, optimizer_name="Muon", optimizer_kwargs={"lr": ATTENTION_LR})]
+
+
+def _edit(groups: list[dict], step: int) -> None:
+    if step == EDIT_STEP:
+        for g in groups:
+            g["momentum"] = EDITED_MOMENTUM
 
 
 # --------------------------------------------------------------------------------------------------- #
@@ -155,7 +174,8 @@ def _build(
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    optimizers = dmuon_tt.DMuonOptimizersContainer.Config(implementation="for-loop", **HP).build(model_parts=[model])
+    optimizers = dmuon_tt.DMuonOptimizersContainer.Config(implementation="for-loop", param_groups=_param_group_configs(),
+                                                          **HP).build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=optimizers,
                                                                             training_steps=STEPS)
     return model, optimizers, lr_schedulers
@@ -171,6 +191,7 @@ def _train_step(
     per = GLOBAL_BATCH // world
     tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
     global_valid_tokens = torch.tensor(tgt.numel() * world)
+    _edit([g for g in optimizers.muon.param_groups if g["name"] == ATTENTION], step)
     optimizers.zero_grad()
     loss, _ = _loss_fn()(model(tok), tgt, global_valid_tokens)
     loss.backward()
@@ -216,7 +237,9 @@ def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None
             out["at_save"] = dmuon.get_model_state_dict(model)
             out["optim_at_save"] = dmuon.get_optimizer_state_dict(model, optimizers.muon)
     checkpointer.close()
-    out.update(losses=losses, norms=norms, final=dmuon.get_model_state_dict(model))
+    out.update(losses=losses, norms=norms, final=dmuon.get_model_state_dict(model),
+               hyper=[{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                      for g in optimizers.muon.param_groups])
     if load_step is None:
         del model, optimizers, lr_schedulers, checkpointer
         out["mixed"] = _mixed_precision_run(rank, world, root)
@@ -281,17 +304,25 @@ def train_oracle(
         values = {n: p.detach().clone() for n, p in params.items()}
         for p in params.values():
             p.data = p.data.to(compute_dtype)
-    muon = [values[n] for n, p in params.items() if default_predicate(n, p)]
-    rest = [values[n] for n, p in params.items() if not default_predicate(n, p)]
-    opt_m = torch.optim.Muon(muon, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                             weight_decay=HP["weight_decay"])
-    opt_a = torch.optim.AdamW(rest, lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
-                              weight_decay=HP["adamw_weight_decay"])
+    muon = [n for n, p in params.items() if default_predicate(n, p)]
+    rest = [n for n, p in params.items() if not default_predicate(n, p)]
+    attention = [n for n in muon if re.search(ATTENTION, n)]
+    norms = [n for n in rest if re.search(NORMS, n)]
+    opt_m = torch.optim.Muon(
+        [{"params": [values[n] for n in attention], "lr": ATTENTION_LR},
+         {"params": [values[n] for n in muon if n not in attention]}],
+        lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"], weight_decay=HP["weight_decay"])
+    opt_a = torch.optim.AdamW(
+        [{"params": [values[n] for n in norms], "weight_decay": 0.0},
+         {"params": [values[n] for n in rest if n not in norms]}],
+        lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"], weight_decay=HP["adamw_weight_decay"])
+    assert attention and norms and len(attention) < len(muon)
     scheds = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=[opt_m, opt_a], training_steps=STEPS)
     losses, norms = [], []
     per = GLOBAL_BATCH // split
     for step in range(1, STEPS + 1):
         tok, tgt = batch(step)
+        _edit(opt_m.param_groups[:1], step)
         if values is not params:
             with torch.no_grad():
                 for n, p in params.items():
@@ -395,6 +426,10 @@ def test_unsupported_settings_are_refused() -> None:
             never_called(model, parallel_dims=parallel_dims(), training=training, parallelism=ParallelismConfig())
     with pytest.raises(ValueError, match="param_groups"):
         dmuon_tt.DMuonOptimizersContainer.Config(param_groups=[object()])
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    with pytest.raises(ValueError, match="optimizer_name must be one of"):
+        dmuon_tt.DMuonOptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern="norm", optimizer_name="Adam")])
     with pytest.raises(ValueError, match="fused_opt_states_bf16"):
         dmuon_tt.DMuonOptimizersContainer.Config(implementation="fused_opt_states_bf16")
     with pytest.raises(ValueError, match="last_save_in_hf"):
@@ -458,6 +493,9 @@ def test_restore_from_torchtitan_checkpoint_is_bitwise(runs: dict[str, Any]) -> 
         assert resumed["norms"] == full["norms"][SAVE_AT:]
         for key, value in full["final"].items():
             assert torch.equal(resumed["final"][key], value), key
+        # every group's settings came back (the fresh optimizer was built with the constructor's momentum)
+        assert resumed["hyper"] == full["hyper"]
+        assert [g["momentum"] for g in full["hyper"] if g["name"] == ATTENTION] == [EDITED_MOMENTUM]
         # the fresh run started elsewhere, so the load did the work
         assert any(not torch.equal(resumed["before_load"][k], v) for k, v in full["at_save"].items())
 

@@ -43,11 +43,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
 
 
 def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
-    """Global param names per group: the Muon group lists every dedicated FQN, not just owned ones."""
-    return [
-        [dp.fqn for dp in state.dedicated()] if g["kind"] == "muon" else list(g["param_names"])
-        for g in optimizer.param_groups
-    ]
+    """Global param names per group: a Muon group lists every FQN it holds on any rank, not just owned ones."""
+    return [list(names) for names in optimizer.group_fqns()]
 
 
 def _adamw_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
@@ -280,8 +277,9 @@ def _agree(opt: Muon, state: DMuonState, state_dict: Any) -> Mode:
     is_sharded = has and not errors and any(
         isinstance(v, DTensor) for e in state_dict["state"].values() for v in e.values()
     )
+    dedicated = {dp.fqn for dp in state.dedicated()}
     fp = "" if (is_sharded or not has or errors) else structure_fingerprint(
-        {k: v for k, v in state_dict["state"].items() if k not in set(_group_names(opt, state)[0])}
+        {k: v for k, v in state_dict["state"].items() if k not in dedicated}
     )
     return detect_mode(state, "set_optimizer_state_dict", has, errors, fp)
 

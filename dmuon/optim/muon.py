@@ -3,12 +3,14 @@
 One ``torch.optim.Optimizer`` with real param groups (so ``torch.optim.lr_scheduler`` and HF schedulers
 scale both), built from the model rather than a parameter list:
 
-* group 0, ``kind="muon"``: the dedicated params this rank owns (possibly none);
-* group 1, ``kind="adamw"``: FSDP2 DTensor shards;
-* group 2, ``kind="adamw_replicated"``: plain params nobody shards (kept apart from DTensors because
-  torch's foreach kernels refuse mixed lists).
+* ``kind="muon"``: the dedicated params this rank owns (possibly none);
+* ``kind="adamw"``: FSDP2 DTensor shards;
+* ``kind="adamw_replicated"``: plain params nobody shards (kept apart from DTensors because torch's
+  foreach kernels refuse mixed lists).
 
-AdamW is torch's own ``torch.optim.AdamW`` stepping groups 1–2; the Muon math mirrors
+By default there is one group of each kind, in that order; ``param_groups=[...]`` puts the user's groups
+first ([Note: group layout] in ``dmuon/optim/groups.py``). AdamW is torch's own ``torch.optim.AdamW``
+stepping the AdamW groups; the Muon math mirrors
 ``torch.optim.Muon`` and lives in the pure helpers of ``dmuon/optim/update.py``.
 
 Mixed precision (see [Note: master weights] in ``dmuon/runtime/precision.py``): Muon updates each owned matrix's
@@ -19,19 +21,20 @@ dtype, and rounds the result into the parameter, which is what the next forward 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from .._fsdp import cast_dtypes, fsdp_modules
+from ..runtime import comm as C
 from ..runtime.hooks import DMuonState, get_state, unwrap_ddp
-from ..runtime.param import DedicatedParam, is_dedicated
+from ..runtime.param import DedicatedParam
 from ..runtime.precision import check_float_dtype, is_wider
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
+from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
 from .update import AdamWHParams, MuonHParams, muon_update_batch_
 
 __all__ = ["Muon"]
@@ -58,19 +61,6 @@ def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
                 f"owners keep the {dp.dtype} values as masters), or convert the dedicated params to {pd} before "
                 "dedicate_params."
             )
-
-
-def _split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """The trainable params that are not dedicated: FSDP2 shards (DTensors) and plain params, by FQN as
-    ``model.state_dict()`` spells them (activation-checkpoint wrappers insert a segment into
-    ``named_parameters`` only)."""
-    sharded, replicated = [], []
-    for fqn, p in model.named_parameters():
-        if not p.requires_grad or is_dedicated(p):
-            continue
-        fqn = fqn.replace("_checkpoint_wrapped_module.", "")
-        (sharded if isinstance(p, DTensor) else replicated).append((fqn, p))
-    return sharded, replicated
 
 
 def _keyword_only_after_lr(init: Callable[..., None]) -> Callable[..., None]:
@@ -136,6 +126,23 @@ class Muon(torch.optim.Optimizer):
         replicate_async: HSDP only: after the update each owner publishes the new tensor over the
             replicate group; ``True`` (default) returns without waiting (the first forward that needs it
             waits), ``False`` waits inside ``step()``. Results are identical either way.
+        param_groups: groups the ``torch.optim`` way, each a dict with ``"params"`` (parameters as they are
+            after ``fully_shard``, ``(name, param)`` pairs or FQNs), optionally ``"use_muon"`` (default:
+            True when every param of the group is dedicated, False when none is), ``"name"``, and any
+            hyperparameter of its algorithm: Muon's ``lr``, ``momentum``, ``nesterov``, ``ns_steps``,
+            ``ns_coefficients``, ``eps``, ``weight_decay``, ``adjust_lr_fn``, ``ns_backend``, or AdamW's
+            ``lr``, ``betas``, ``eps``, ``weight_decay``. Unset ones take this constructor's values
+            (``adamw_*`` for AdamW groups). Params no group names take the defaults. A param in two groups,
+            a dedicated matrix in an AdamW group, a non-dedicated or non-2-D param in a Muon group, an
+            unknown key or FQN raise ``ValueError`` on every rank before anything is built. Example::
+
+                no_decay = [n for n, p in model.named_parameters() if p.ndim < 2]  # norms, biases
+                optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, param_groups=[
+                    {"params": no_decay, "weight_decay": 0.0},
+                    {"params": ["tok_embeddings.weight", "lm_head.weight"], "lr": 3e-3, "weight_decay": 0.0},
+                    {"params": [n for n in dmuon.get_dedicated_params(model) if "mlp" in n], "lr": 0.01},
+                ])
+
         master_dtype: e.g. ``torch.float32`` for a bf16 model: each owner keeps a master copy in this
             dtype of every owned dedicated param that is narrower (optimizer state ``"master"``, made from
             the param at its first step, like ``momentum_buffer``), runs momentum (kept in this dtype),
@@ -189,6 +196,7 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         ns_backend: str = "auto",
         master_dtype: torch.dtype | None = None,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -205,16 +213,12 @@ class Muon(torch.optim.Optimizer):
         ddp = unwrap_ddp(model) is not model  # DDP averages the other params' gradients itself
         model = unwrap_ddp(model)
         _check_fsdp_compute_dtype(model, state)
+        self._muon_defaults, self._adamw_defaults = muon_hp, adamw_hp
+        self._ddp = ddp
+        resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
         state.bind_if_needed()
-        owned = [(dp.fqn, dp.bound()) for dp in state.owned()]
-        sharded, replicated = _split_params(model)
-
-        muon_group = dict(params=[p for _, p in owned], param_names=[n for n, _ in owned], kind="muon",
-                          **muon_hp.group_entries())
-        adamw_groups = [
-            dict(params=[p for _, p in ps], param_names=[n for n, _ in ps], kind=kind, **adamw_hp.group_entries())
-            for kind, ps in (("adamw", sharded), ("adamw_replicated", replicated))
-        ]
+        internal = self._torch_groups(model, state, resolved)
+        adamw_groups = [g for g, _ in internal if g["kind"] != "muon"]
         # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
         # our param_groups drive AdamW too.
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused,
@@ -229,20 +233,97 @@ class Muon(torch.optim.Optimizer):
         self._fsdp_at_build = bool(fsdp_modules(model))
         self._check_pending = True
         self._building = True
-        super().__init__([muon_group, *self._adamw.param_groups], defaults={})
+        super().__init__([g for g, _ in internal], defaults={})
         self._building = False
         self._adamw.state = self.state
+        #: Per param group, every rank's FQNs (a Muon group's ``params`` are only the owned ones).
+        self._group_fqns: list[tuple[str, ...]] = [names for _, names in internal]
         # under DDP they are averaged already; averaging identical values again would only cost an all-reduce
-        state.replicated_params = [] if ddp else [p for _, p in replicated]
+        state.replicated_params = [] if ddp else [
+            p for g, _ in internal if g["kind"] == "adamw_replicated" for p in g["params"]]
 
     # ------------------------------------------------------------------ #
+    # Param groups ([Note: group layout] in dmuon/optim/groups.py)         #
+    # ------------------------------------------------------------------ #
+    def _resolve(self, model: nn.Module, state: DMuonState, specs: Sequence[Mapping[str, Any]] | None, *,
+                 taken: Sequence[str], first_index: int, with_defaults: bool) -> list[ResolvedGroup]:
+        """Resolve user groups; with user groups, every rank compares its answer (or its error) with the
+        others', so a group list that differs between ranks, or fails on one, raises on all of them."""
+        error: BaseException | None = None
+        resolved: list[ResolvedGroup] = []
+        try:
+            resolved = resolve_groups(model, specs, dedicated=[canonical_name(dp.fqn) for dp in state.dedicated()],
+                                      muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
+                                      taken=taken, first_index=first_index, with_defaults=with_defaults)
+        except (TypeError, ValueError) as e:
+            error = e
+        if specs is None:
+            if error is not None:
+                raise error
+            return resolved
+        views = C.all_gather_object(state.ctx, (None if error is None else f"{type(error).__name__}: {error}",
+                                                repr(resolved)))
+        if error is not None:
+            raise error
+        for rank, (err, fingerprint) in enumerate(views):
+            if err is not None:
+                raise ValueError(f"dmuon.Muon: param_groups refused on rank {rank}: {err}")
+            if fingerprint != views[0][1]:
+                raise ValueError(f"dmuon.Muon: ranks 0 and {rank} resolved param_groups differently; pass the "
+                                 "same groups on every rank")
+        return resolved
+
+    def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]
+                      ) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+        """Internal torch groups with their global FQNs (Muon groups spelled as the dedicated FQNs)."""
+        fqn_of = {canonical_name(dp.fqn): dp.fqn for dp in state.dedicated()}
+        params = {canonical_name(n): p for n, p in model.named_parameters()}
+        params.update({canonical_name(dp.fqn): dp.bound() for dp in state.owned()})
+        owned = {canonical_name(dp.fqn) for dp in state.owned()}
+        out = []
+        for group in resolved:
+            for g, names in torch_groups(group, params, owned):
+                if g["kind"] == "muon":
+                    g["param_names"] = [fqn_of[n] for n in g["param_names"]]
+                    names = tuple(fqn_of[n] for n in names)
+                out.append((g, names))
+        return out
+
+    def group_fqns(self) -> list[tuple[str, ...]]:
+        """Every rank's FQNs per param group, in ``param_groups`` order (a Muon group's ``params`` hold only
+        the matrices this rank owns; this lists them all). Same on every rank.
+
+        Example::
+
+            for group, names in zip(optimizer.param_groups, optimizer.group_fqns()):
+                print(group["name"], group["kind"], group["lr"], len(names))
+        """
+        return list(self._group_fqns)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not getattr(self, "_building", False):
-            raise TypeError(
-                "dmuon.Muon builds its param groups from the model; add_param_group is not supported. "
-                "Select params with dedicate_params(predicate=...) instead."
-            )
-        super().add_param_group(param_group)
+        """Add one group, resolved and checked like the constructor's ``param_groups`` (collective).
+
+        Every trainable parameter is already in a group (the defaults take what no group names), so this
+        is for parameters that were frozen when the optimizer was built and are trained now::
+
+            model.tok_embeddings.weight.requires_grad_(True)
+            optimizer.add_param_group({"params": ["tok_embeddings.weight"], "lr": 1e-4})
+        """
+        if getattr(self, "_building", False):
+            super().add_param_group(param_group)
+            return
+        state = self._dmuon_state
+        taken = [n for names in self._group_fqns for n in names]
+        (group,) = self._resolve(state.model, state, [param_group], taken=taken,
+                                 first_index=len(self.param_groups), with_defaults=False)
+        internal = self._torch_groups(state.model, state, [group])
+        for g, names in internal:
+            if g["kind"] != "muon":
+                self._adamw.add_param_group(g)
+            super().add_param_group(g)
+            self._group_fqns.append(names)
+            if g["kind"] == "adamw_replicated" and not self._ddp:
+                state.replicated_params.extend(g["params"])
 
     # ------------------------------------------------------------------ #
     # Mixed precision                                                      #
@@ -318,23 +399,24 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, except that Muon state stays in :meth:`update_dtype`
         (torch would round an fp32 master and momentum to a bf16 param's dtype)."""
-        muon = [i for i, g in enumerate(self.param_groups) if g["kind"] == "muon"]
         saved_groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
         wide: list[tuple[Tensor, torch.dtype, dict[str, Any]]] = []  # (param, dtype, saved entry)
-        if muon and len(saved_groups) == len(self.param_groups):
+        if len(saved_groups) == len(self.param_groups):
             owned = self._owned()
-            saved_ids = saved_groups[muon[0]]["params"]
-            for p, pid in zip(self.param_groups[muon[0]]["params"], saved_ids):
-                entry = state_dict["state"].get(pid, {})
-                dp = owned[id(p)]
-                if "master" in entry and self.state_master_dtype(dp) is None:
-                    raise ValueError(
-                        f"dmuon.Muon.load_state_dict: the state of {dp.fqn} has a 'master' but this optimizer keeps "
-                        f"none for it ({dp.dtype}, master_dtype={self.master_dtype}); build dmuon.Muon with the "
-                        "master_dtype the state was saved with. Nothing was loaded."
-                    )
-                if self.update_dtype(dp) != p.dtype and entry:
-                    wide.append((p, self.update_dtype(dp), entry))
+            for group, saved in zip(self.param_groups, saved_groups):
+                if group["kind"] != "muon":
+                    continue
+                for p, pid in zip(group["params"], saved["params"]):
+                    entry = state_dict["state"].get(pid, {})
+                    dp = owned[id(p)]
+                    if "master" in entry and self.state_master_dtype(dp) is None:
+                        raise ValueError(
+                            f"dmuon.Muon.load_state_dict: the state of {dp.fqn} has a 'master' but this optimizer "
+                            f"keeps none for it ({dp.dtype}, master_dtype={self.master_dtype}); build dmuon.Muon "
+                            "with the master_dtype the state was saved with. Nothing was loaded."
+                        )
+                    if self.update_dtype(dp) != p.dtype and entry:
+                        wide.append((p, self.update_dtype(dp), entry))
         super().load_state_dict(state_dict)
         for dp in self._dmuon_state.dedicated():
             dp.forget_master_version()  # new masters: compare them with the params once at the next step

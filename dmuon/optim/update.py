@@ -143,6 +143,10 @@ class AdamWHParams:
             raise ValueError(f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", betas)
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def group_entries(self) -> dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 

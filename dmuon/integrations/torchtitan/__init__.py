@@ -66,7 +66,7 @@ from __future__ import annotations
 # The submodules import torchtitan's parts; a missing torchtitan (or triton) fails here, with one message.
 try:
     from .checkpoint import DMuonCheckpointManager, DMuonModelWrapper
-    from .optimizer import DMuonOptimizersContainer, clip_grad_norm_, dedicated_grad_scale
+    from .optimizer import DMuonOptimizersContainer, clip_grad_norm_, dedicated_grad_scale, dmuon_param_groups
     from .parallelize import (
         Predicate,  # noqa: F401  (the predicate type alias, importable from here as before)
         dedicate,
@@ -90,6 +90,7 @@ __all__ = [
     "dedicated_grad_scale",
     "default_predicate",
     "dmuon_model_spec",
+    "dmuon_param_groups",
     "mixed_precision_dtypes",
     "with_dmuon",
 ]

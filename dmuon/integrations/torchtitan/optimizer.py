@@ -15,7 +15,8 @@ product is exact for power-of-two factors and rounded once to bf16 otherwise (e.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 from torchtitan.components.checkpointer.utils import canonical_fqn
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.distributed import utils as tt_dist_utils
 
 import dmuon
@@ -145,6 +146,49 @@ def _install_clip_patch() -> None:
 # Optimizers                                                                                           #
 # --------------------------------------------------------------------------------------------------- #
 _MUON = MuonHParams()  # the defaults
+#: torchtitan's ``ParamGroupConfig.optimizer_name`` values the container takes, and what each means
+_OPTIMIZER_NAMES = {"Muon": True, "AdamW": False}
+
+
+def _check_group_configs(configs: Sequence[Any]) -> None:
+    for i, pg in enumerate(configs):
+        if not isinstance(pg, ParamGroupConfig):
+            raise ValueError(f"DMuonOptimizersContainer.Config: param_groups[{i}] must be a torchtitan "
+                             f"ParamGroupConfig, got {type(pg).__name__}")
+        if pg.optimizer_name not in _OPTIMIZER_NAMES:
+            raise ValueError(f"DMuonOptimizersContainer.Config: param_groups[{i}] ({pg.pattern!r}): optimizer_name "
+                             f"must be one of {sorted(_OPTIMIZER_NAMES)}, got {pg.optimizer_name!r}")
+        try:
+            re.compile(pg.pattern)
+        except re.error as e:
+            raise ValueError(f"DMuonOptimizersContainer.Config: param_groups[{i}]: bad pattern {pg.pattern!r}: "
+                             f"{e}") from None
+
+
+def dmuon_param_groups(model: nn.Module, configs: Sequence[ParamGroupConfig]) -> list[dict[str, Any]]:
+    r"""torchtitan's pattern groups as ``dmuon.Muon(param_groups=...)``. As torchtitan's: patterns are searched
+    in each trainable param's canonical FQN, first match wins, a pattern that matches nothing raises. A
+    ``"Muon"`` pattern claims dedicated matrices only and an ``"AdamW"`` one the other params (which are on
+    Muon is ``dedicate``'s predicate's choice), so a catch-all ``".*"`` AdamW group works beside Muon ones.
+
+    Example::
+
+        ParamGroupConfig(pattern=r"norm|\.bias$", optimizer_name="AdamW", optimizer_kwargs={"weight_decay": 0.0})
+    """
+    dedicated = {canonical_fqn(n) for n in dmuon.get_dedicated_params(model)}
+    trainable = [canonical_fqn(n) for n, p in model.named_parameters() if p.requires_grad]
+    claimed: set[str] = set()
+    out = []
+    for pg in configs:
+        use_muon = _OPTIMIZER_NAMES[pg.optimizer_name]
+        pattern = re.compile(pg.pattern)
+        names = [n for n in trainable if n not in claimed and (n in dedicated) == use_muon and pattern.search(n)]
+        if not names:
+            raise ValueError(f"DMuonOptimizersContainer: param_groups pattern {pg.pattern!r} ({pg.optimizer_name}) "
+                             "matched no parameters")
+        claimed.update(names)
+        out.append({"params": names, "use_muon": use_muon, "name": pg.pattern, **pg.optimizer_kwargs})
+    return out
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
@@ -154,7 +198,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
     Build it from its config where torchtitan builds optimizers (``Trainer.Config.optimizer``), or directly
     with ``DMuonOptimizersContainer.Config(...).build(model_parts=[model])`` after the model is
     materialised. ``LRSchedulersContainer`` drives every param group's ``lr`` (Muon and AdamW alike).
-    ``implementation`` selects AdamW's kernel (``"fused"``, ``"foreach"``, ``"for-loop"``).
+    ``implementation`` selects AdamW's kernel (``"fused"``, ``"foreach"``, ``"for-loop"``). ``param_groups``
+    takes torchtitan's ``ParamGroupConfig`` list with ``optimizer_name`` ``"Muon"`` or ``"AdamW"`` and the
+    group's hyperparameters in ``optimizer_kwargs`` (unset ones take this config's); see
+    :func:`dmuon_param_groups`. Each group's settings are in the checkpoint (``param_groups.{fqn}.{key}``).
 
     Example::
 
@@ -188,11 +235,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """HSDP: publish updated matrices over the replicate group without waiting inside ``step()``."""
 
         def __post_init__(self) -> None:
-            if self.param_groups:
-                raise ValueError(
-                    f"DMuonOptimizersContainer.Config: param_groups must be empty (dmuon.Muon builds its groups "
-                    f"from the model), got {self.param_groups!r}"
-                )
+            _check_group_configs(self.param_groups)
             if self.implementation not in ("fused", "foreach", "for-loop"):
                 raise ValueError(
                     "DMuonOptimizersContainer.Config: implementation must be 'fused', 'foreach' or 'for-loop', "
@@ -211,6 +254,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
             adamw_foreach=config.implementation == "foreach", adamw_fused=config.implementation == "fused",
             replicate_async=config.replicate_async,
+            param_groups=dmuon_param_groups(model, config.param_groups) if config.param_groups else None,
         )
         self.model_parts = list(model_parts)
         self.model = model

@@ -1,0 +1,225 @@
+"""User param groups for ``dmuon.Muon``: resolving them against the model and checking them.
+
+Users pass groups the ``torch.optim`` way (Keller Jordan's ``MuonWithAuxAdam`` convention for the
+algorithm)::
+
+    dmuon.Muon(model, lr=0.02, param_groups=[
+        {"params": [model.tok_embeddings.weight, "lm_head.weight"], "use_muon": False, "lr": 3e-3,
+         "weight_decay": 0.0},
+        {"params": [n for n, _ in model.named_parameters() if "norm" in n], "weight_decay": 0.0},
+        {"params": [n for n in dmuon.get_dedicated_params(model) if "mlp" in n], "lr": 0.01},
+    ])
+
+Each entry of ``"params"`` is a parameter of the model (as it is now, after ``fully_shard``), a
+``(name, param)`` pair as ``named_parameters()`` yields, or an FQN. What no group names goes to the
+constructor's defaults: Muon for the dedicated matrices, AdamW for the rest.
+
+[Note: group layout] ``Muon.param_groups`` are real torch groups, but torch's foreach kernels refuse a
+list that mixes DTensors with plain tensors, and a Muon group holds only the matrices this rank owns.
+So each user group becomes one internal group (``kind="muon"``) or two (``"adamw"``: FSDP2 shards,
+``"adamw_replicated"``: plain params), every internal group carrying the user group's ``name``; then
+come the three default groups. Without user groups that is the layout dmuon always had
+(``muon``, ``adamw``, ``adamw_replicated``). The layout is decided from the global picture (every
+dedicated FQN, not only the owned ones), so it is the same on every rank, and checkpoints match groups
+by index and FQN.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .update import AdamWHParams, MuonHParams
+
+__all__ = ["ResolvedGroup", "resolve_groups", "canonical_name", "DEFAULT_GROUP_NAMES"]
+
+#: The ``name`` of the groups that take whatever no user group names.
+DEFAULT_GROUP_NAMES = {True: "default_muon", False: "default_adamw"}
+_SPEC_KEYS = ("params", "use_muon", "name")
+
+
+def canonical_name(fqn: str) -> str:
+    """The FQN as ``model.state_dict()`` spells it (activation-checkpoint and ``torch.compile`` wrappers
+    insert a segment into ``named_parameters`` only)."""
+    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedGroup:
+    """One user group after resolution: global FQNs in the model's order, validated hyperparameters."""
+
+    name: str
+    use_muon: bool
+    fqns: tuple[str, ...]
+    hparams: MuonHParams | AdamWHParams
+
+    def entries(self) -> dict[str, Any]:
+        """The torch param-group keys besides ``params`` / ``param_names`` / ``kind``."""
+        return {"name": self.name, **self.hparams.group_entries()}
+
+
+class _Model:
+    """What resolution needs to know about the model: every param by FQN and by identity."""
+
+    def __init__(self, model: nn.Module, dedicated: Iterable[str]):
+        self.by_name: dict[str, nn.Parameter] = {}
+        self.name_of: dict[int, str] = {}
+        for raw, p in model.named_parameters(remove_duplicate=False):
+            name = self.name_of.setdefault(id(p), canonical_name(raw))  # tied: the first name
+            self.by_name[raw] = p
+            self.by_name[canonical_name(raw)] = p
+            self.by_name.setdefault(name, p)
+        self.order = {name: i for i, name in enumerate(dict.fromkeys(self.name_of.values()))}
+        self.dedicated = set(dedicated)
+
+    def lookup(self, item: object, where: str) -> str:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[1]  # torch's named-parameter form: identity decides
+        if isinstance(item, str):
+            p = self.by_name.get(item)
+            if p is None and item.startswith("module."):  # a DDP wrapper's spelling
+                p = self.by_name.get(item.removeprefix("module."))
+            if p is None:
+                close = difflib.get_close_matches(item, list(self.by_name), n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(f"{where}: the model has no parameter named {item!r}.{hint}")
+            return self.name_of[id(p)]
+        if isinstance(item, torch.Tensor):
+            name = self.name_of.get(id(item))
+            if name is None:
+                raise ValueError(
+                    f"{where}: a {tuple(item.shape)} tensor that is not a parameter of this model. fully_shard "
+                    "replaces the parameters it shards with new DTensor objects, so collect the groups after "
+                    "fully_shard (or name the parameters by FQN)."
+                )
+            return name
+        raise TypeError(f"{where}: params entries must be parameters, (name, param) pairs or FQNs, "
+                        f"got {type(item).__name__}")
+
+
+def _params_of(spec: Mapping[str, Any], where: str) -> list[object]:
+    if "params" not in spec:
+        raise ValueError(f"{where}: a param group needs a 'params' entry")
+    items = spec["params"]
+    if isinstance(items, (torch.Tensor, str)):
+        return [items]
+    if isinstance(items, Mapping) or not isinstance(items, Iterable):
+        raise TypeError(f"{where}: 'params' must be a parameter, an FQN or an iterable of them, "
+                        f"got {type(items).__name__}")
+    return list(items)
+
+
+def _hparams(spec: Mapping[str, Any], use_muon: bool, defaults: MuonHParams | AdamWHParams,
+             where: str) -> MuonHParams | AdamWHParams:
+    cls = MuonHParams if use_muon else AdamWHParams
+    allowed = cls.names()
+    unknown = sorted(k for k in spec if k not in _SPEC_KEYS and k not in allowed)
+    if unknown:
+        other = AdamWHParams if use_muon else MuonHParams
+        misplaced = [k for k in unknown if k in other.names()]
+        hint = (f" ({', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} "
+                f"{'AdamW' if use_muon else 'Muon'}'s)") if misplaced else ""
+        raise ValueError(f"{where}: unknown key(s) {unknown} for {'a Muon' if use_muon else 'an AdamW'} group"
+                         f"{hint}; allowed: {list(_SPEC_KEYS) + list(allowed)}")
+    values = {**defaults.group_entries(), **{k: spec[k] for k in allowed if k in spec}}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        msg = str(e).removeprefix("dmuon.Muon: ")
+        raise ValueError(f"{where}: {msg if use_muon else msg.replace('adamw_', '')}") from None
+
+
+def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, where: str) -> bool:
+    """``use_muon`` as given, or from the params (all dedicated: Muon; none: AdamW); then checked."""
+    dedicated = [n for n in fqns if n in model.dedicated]
+    others = [n for n in fqns if n not in model.dedicated]
+    use_muon = spec.get("use_muon")
+    if use_muon is None:
+        if dedicated and others:
+            raise ValueError(
+                f"{where}: mixes dedicated matrices ({dedicated[0]!r}, ...) with other params ({others[0]!r}, ...) "
+                "and says no 'use_muon'. Muon and AdamW read 'lr' and 'weight_decay' differently, so split it "
+                "into a Muon group and an AdamW group."
+            )
+        return bool(dedicated)
+    if not isinstance(use_muon, bool):
+        raise TypeError(f"{where}: 'use_muon' must be True or False, got {use_muon!r}")
+    if use_muon and others:
+        p = model.by_name[others[0]]
+        why = (f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim != 2 else
+               "it is not dedicated (Muon needs the whole matrix on one owner): select it in "
+               "dmuon.dedicate_params(predicate=...)")
+        raise ValueError(f"{where}: use_muon=True but {others[0]!r} cannot take Muon: {why}.")
+    if not use_muon and dedicated:
+        raise ValueError(
+            f"{where}: use_muon=False but {dedicated[0]!r} is dedicated: its owner updates it with Muon. Put it "
+            "in a Muon group, or leave it out of dmuon.dedicate_params(predicate=...) to train it with AdamW."
+        )
+    return use_muon
+
+
+def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, *, dedicated: Iterable[str],
+                   muon_defaults: MuonHParams, adamw_defaults: AdamWHParams,
+                   taken: Iterable[str] = (), first_index: int = 0, with_defaults: bool = True
+                   ) -> list[ResolvedGroup]:
+    """Resolve and check user groups; append the default groups (``with_defaults``) for every trainable
+    param no group names. ``taken``: FQNs that earlier groups already hold, ``first_index``: the number
+    of the first group in errors and default names (both for ``add_param_group``).
+    Deterministic: every rank that passes the same groups gets the same answer, or the same error."""
+    m = _Model(model, dedicated)
+    if specs is None:
+        specs = []
+    if isinstance(specs, Mapping) or not isinstance(specs, Sequence):
+        raise TypeError(f"dmuon.Muon: param_groups must be a list of dicts, got {type(specs).__name__}")
+    owner_of = {name: "an existing param group" for name in taken}
+    out = []
+    for i, spec in enumerate(specs, start=first_index):
+        where = f"dmuon.Muon: param group {i}"
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"{where}: expected a dict, got {type(spec).__name__}")
+        name = spec.get("name", f"group{i}")
+        if not isinstance(name, str) or name in DEFAULT_GROUP_NAMES.values():
+            raise ValueError(f"{where}: 'name' must be a str other than {sorted(DEFAULT_GROUP_NAMES.values())}, "
+                             f"got {name!r}")
+        where = f"{where} ({name!r})"
+        fqns = []
+        for item in _params_of(spec, where):
+            fqn = m.lookup(item, where)
+            if fqn in owner_of:
+                raise ValueError(f"{where}: {fqn!r} is already in {owner_of[fqn]}; a parameter can be in one "
+                                 "group only")
+            owner_of[fqn] = f"param group {i} ({name!r})"
+            fqns.append(fqn)
+        use_muon = _algorithm(spec, fqns, m, where)
+        hp = _hparams(spec, use_muon, muon_defaults if use_muon else adamw_defaults, where)
+        out.append(ResolvedGroup(name, use_muon, tuple(sorted(fqns, key=m.order.__getitem__)), hp))
+    if len({g.name for g in out}) != len(out):
+        raise ValueError("dmuon.Muon: two param groups have the same 'name'")
+    if with_defaults:
+        rest = [n for n, p in ((n, m.by_name[n]) for n in m.order) if n not in owner_of and p.requires_grad]
+        for use_muon, hp in ((True, muon_defaults), (False, adamw_defaults)):
+            fqns = tuple(n for n in rest if (n in m.dedicated) == use_muon)
+            out.append(ResolvedGroup(DEFAULT_GROUP_NAMES[use_muon], use_muon, fqns, hp))
+    return out
+
+
+def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned: set[str]
+                 ) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The internal torch groups of one resolved group ([Note: group layout]), each with its global FQNs:
+    Muon → the matrices this rank owns; AdamW → FSDP2 shards, then plain params."""
+    if group.use_muon:
+        mine = [n for n in group.fqns if n in owned]
+        return [(dict(params=[params[n] for n in mine], param_names=mine, kind="muon", **group.entries()),
+                 group.fqns)]
+    out = []
+    for kind, want_dtensor in (("adamw", True), ("adamw_replicated", False)):
+        names = [n for n in group.fqns if isinstance(params[n], DTensor) == want_dtensor]
+        out.append((dict(params=[params[n] for n in names], param_names=names, kind=kind, **group.entries()),
+                    tuple(names)))
+    return out
