@@ -24,12 +24,14 @@ from .optim import Muon
 from .partition import OwnerPlan
 from .runtime.group import GroupState
 from .runtime.guard import NotHeldError
+from .runtime.route import Route
 
 __all__ = [
     "Muon",
     "OwnerPlan",
     "GroupState",
     "NotHeldError",
+    "Route",
     "broadcast_all_updates",
     "clip_grad_norm_",
     "dedicate_params",

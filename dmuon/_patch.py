@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from .runtime.param import DEDICATED_ATTR, is_dedicated
+from .runtime.route import is_replicated
 
 __all__ = ["DEDICATED_ATTR", "install_patch", "uninstall_patch", "is_patch_installed", "is_dedicated"]
 
@@ -62,8 +63,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_managed_states(
         modules: list[nn.Module], ignored_params: set[nn.Parameter] | None = None, *args: Any, **kwargs: Any
     ) -> Any:
-        dedicated = {
-            p for m in modules for p in m.parameters(recurse=False) if is_dedicated(p)
+        dedicated = {  # and params routed ADAMW_REPLICATED: both stay whole, outside FSDP2
+            p for m in modules for p in m.parameters(recurse=False) if is_dedicated(p) or is_replicated(p)
         }
         if dedicated:
             ignored_params = set(ignored_params or ()) | dedicated

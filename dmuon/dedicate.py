@@ -29,6 +29,7 @@ from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
 from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated
 from .runtime.precision import is_wider
+from .runtime.route import REPLICATED_ATTR, Route
 
 __all__ = ["dedicate_params", "DEFAULT_BOUNDARY_PATTERN"]
 
@@ -38,6 +39,9 @@ logger = logging.getLogger("dmuon")
 DEFAULT_BOUNDARY_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
 
 Predicate = Callable[[str, nn.Parameter], bool]
+#: ``route(fqn, param)``: a :class:`dmuon.Route` (or its value, e.g. ``"adamw_owner"``), or ``None``
+#: to leave the param to ``predicate`` (selected: ``Route.MUON``; else FSDP2's).
+RouteFn = Callable[[str, nn.Parameter], "Route | str | None"]
 
 
 class _Selected(NamedTuple):
@@ -46,6 +50,7 @@ class _Selected(NamedTuple):
     name: str
     module: nn.Module
     param: nn.Parameter
+    route: Route = Route.MUON
 
 
 def _default_boundary(module_path: str) -> str | None:
@@ -96,6 +101,7 @@ def dedicate_params(
     prefetch: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    route: RouteFn | None = None,
 ) -> OwnerPlan:
     """Give every selected 2-D weight one owner rank; call once per model, before ``fully_shard``.
 
@@ -151,6 +157,20 @@ def dedicate_params(
                 dmuon.dedicate_params(bf16_model, mesh, predicate, reduce_dtype=torch.float32)
                 optimizer = dmuon.Muon(bf16_model, lr=0.02, master_dtype=torch.float32)
 
+        route: ``route(fqn, param) -> dmuon.Route | str | None`` says per parameter where its update runs
+            ([Note: routes] in ``dmuon/runtime/route.py``); ``None`` leaves it to ``predicate``.
+            ``"muon"``: dedicated, Muon on its owner. ``"adamw_owner"``: dedicated, AdamW on its owner (any
+            non-scalar param, e.g. a norm of a block whose matrices are all dedicated, which then needs
+            no ``fully_shard`` of its own; not with ``param_dtype``). ``"adamw_sharded"``: FSDP2's, even if
+            ``predicate`` selects it. ``"adamw_replicated"``: ``fully_shard`` skips it, every rank keeps it
+            whole and dmuon averages its gradient. Default ``None``: ``predicate`` alone. Example::
+
+                def route(fqn, p):
+                    return "adamw_owner" if fqn.startswith("layers.") and p.ndim == 1 else None
+
+                dmuon.dedicate_params(model, mesh, predicate, route=route)
+                fully_shard(model, mesh=mesh)  # the layers hold no FSDP2 params any more
+
     Returns:
         The :class:`~dmuon.partition.OwnerPlan`: owner per param, per-rank params/elements/NS cost and
         the imbalance (max/mean NS cost). One summary line is logged on rank 0 (logger ``"dmuon"``).
@@ -167,7 +187,7 @@ def dedicate_params(
     install_patch()
     # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
     try:
-        v = _validate(model, mesh, predicate, replicate_mesh, hook_boundary_predicate, hook_boundary_strict,
+        v = _validate(model, mesh, predicate, route, replicate_mesh, hook_boundary_predicate, hook_boundary_strict,
                       RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     except Exception as err:  # noqa: BLE001 - also a user predicate's own error: the peers must not wait for it
@@ -177,7 +197,7 @@ def dedicate_params(
     # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
     # model fails here instead of hanging in its first broadcast, and the settings and dtypes: ranks
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
-    dtypes = [str(s.param.dtype) for s in v.selected]
+    dtypes = [f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
     _agree(None, hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest())
 
     # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
@@ -186,6 +206,8 @@ def dedicate_params(
 
     # ---------------- mutation ---------------- #
     state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
+    for s in v.replicated:
+        setattr(s.param, REPLICATED_ATTR, True)
     setattr(model, STATE_ATTR, state)
     activate_installed_glue()
     if dist.get_rank() == 0:
@@ -202,24 +224,36 @@ class _Validated(NamedTuple):
     boundary_of: dict[str, str]
     specs: list[ParamSpec]
     plan: OwnerPlan
+    #: params routed ``ADAMW_REPLICATED``
+    replicated: list[_Selected]
 
 
-def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, replicate_mesh: DeviceMesh | None,
+def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, route: RouteFn | None,
+              replicate_mesh: DeviceMesh | None,
               hook_boundary_predicate: Callable[[nn.Module], bool] | None, hook_boundary_strict: bool,
               config: RuntimeConfig) -> _Validated:
     """Every local check of ``dedicate_params`` and the owner plan; changes nothing."""
     mesh, replicate_mesh = _check_meshes(model, mesh, replicate_mesh)
     _check_model(model)
     modules = dict(model.named_modules(remove_duplicate=False))
-    selected = _select(modules, predicate, config.param_dtype)
+    selected, replicated = _select(modules, predicate, route, config.param_dtype)
     boundary_of = {
         s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
         for s in selected
     }
-    specs = [ParamSpec(s.fqn, (int(s.param.shape[0]), int(s.param.shape[1])), boundary_of[s.fqn]) for s in selected]
+    specs = [ParamSpec(s.fqn, _plan_shape(s), boundary_of[s.fqn]) for s in selected]
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = assign_owners(specs, mesh.size() * replicas)
-    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan)
+    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, replicated)
+
+
+def _plan_shape(s: _Selected) -> tuple[int, int]:
+    """The shape the owner plan weighs: a matrix's own; an ``ADAMW_OWNER`` param counts as one row of its
+    elements (its NS cost is that of a 1 x n matrix, next to nothing, so the plan packs it with its
+    boundary's matrices)."""
+    if s.route is Route.MUON:
+        return int(s.param.shape[0]), int(s.param.shape[1])
+    return 1, int(s.param.numel())
 
 
 def _agree(error: str | None, fingerprint: str | None) -> None:
@@ -313,10 +347,11 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _select(modules: dict[str, nn.Module], predicate: Predicate | None, param_dtype: torch.dtype | None
-            ) -> list[_Selected]:
-    """Every parameter the predicate selects under any of its names (a tied weight has several), each
-    object once, under its first name, checked."""
+def _select(modules: dict[str, nn.Module], predicate: Predicate | None, route: RouteFn | None,
+            param_dtype: torch.dtype | None) -> tuple[list[_Selected], list[_Selected]]:
+    """Every parameter to dedicate (``route`` first, then ``predicate`` under any of its names: a tied
+    weight has several), each object once, under its first name, checked; and those routed
+    ``ADAMW_REPLICATED``."""
     aliases_of: dict[int, list[_Selected]] = {}
     for module_path, module in modules.items():
         for name, p in module._parameters.items():
@@ -324,28 +359,63 @@ def _select(modules: dict[str, nn.Module], predicate: Predicate | None, param_dt
                 continue
             fqn = f"{module_path}.{name}" if module_path else name
             aliases_of.setdefault(id(p), []).append(_Selected(fqn, module_path, name, module, p))
-    selected = []
+    selected, replicated = [], []
     for aliases in aliases_of.values():
-        hits = [s for s in aliases if (predicate(s.fqn, s.param) if predicate is not None
-                                       else _default_select(s.module_path, s.module, s.name, s.param))]
-        if hits:
-            _check_selected(hits[0], [s.fqn for s in aliases], param_dtype)
-            selected.append(aliases[0])
+        chosen = _route_of(aliases, predicate, route)
+        if chosen is None or chosen[1] is Route.ADAMW_SHARDED:
+            continue
+        hit, r = chosen
+        if r is Route.ADAMW_REPLICATED:
+            replicated.append(aliases[0])
+            continue
+        _check_selected(hit._replace(route=r), [s.fqn for s in aliases], param_dtype)
+        selected.append(aliases[0]._replace(route=r))
     if not selected:
         raise ValueError(
             "dmuon.dedicate_params: the predicate selected no parameters"
             + ("" if predicate is not None else " (default: nn.Linear weights inside 'layers.N'/'blocks.N')")
             + "; pass predicate=lambda name, p: ... selecting the 2-D weights Muon should own."
         )
-    return selected
+    return selected, replicated
+
+
+def _route_of(aliases: list[_Selected], predicate: Predicate | None, route: RouteFn | None
+              ) -> tuple[_Selected, Route] | None:
+    """The alias that decided and its route: ``route``'s answer where it has one (the same for every name
+    of a tied weight), else ``Route.MUON`` where ``predicate`` selects any name; ``None``: FSDP2's."""
+    if route is not None:
+        answers = [(s, Route.parse(route(s.fqn, s.param), f"dmuon.dedicate_params: route({s.fqn!r})"))
+                   for s in aliases]
+        answers = [(s, r) for s, r in answers if r is not None]
+        if len({r for _, r in answers}) > 1:
+            raise ValueError(
+                f"dmuon.dedicate_params: {aliases[0].fqn!r} is one tensor under several names, and route gives "
+                f"them different routes ({', '.join(f'{s.fqn}: {r.value}' for s, r in answers)}); give every "
+                "name the same one."
+            )
+        if answers:
+            return answers[0]
+    hits = [s for s in aliases if (predicate(s.fqn, s.param) if predicate is not None
+                                   else _default_select(s.module_path, s.module, s.name, s.param))]
+    return (hits[0], Route.MUON) if hits else None
 
 
 def _check_selected(s: _Selected, names: list[str], param_dtype: torch.dtype | None) -> None:
     fqn, p = s.fqn, s.param
-    if p.ndim != 2:
+    if s.route is Route.MUON and p.ndim != 2:
         raise ValueError(
             f"dmuon.dedicate_params: predicate selected {fqn!r} with shape {tuple(p.shape)}; only 2-D weight "
-            "matrices can be dedicated (Muon orthogonalises matrices). Exclude it from the predicate."
+            "matrices can take Muon (it orthogonalises matrices). Exclude it from the predicate, or route it "
+            "'adamw_owner' to dedicate it with AdamW on its owner."
+        )
+    if s.route is Route.ADAMW_OWNER and p.ndim == 0:
+        raise ValueError(f"dmuon.dedicate_params: route 'adamw_owner' for the scalar {fqn!r}; only params with at "
+                         "least one dimension can be dedicated. Route it 'adamw_replicated' or leave it to FSDP2.")
+    if s.route is Route.ADAMW_OWNER and param_dtype is not None:
+        raise ValueError(
+            f"dmuon.dedicate_params: route 'adamw_owner' for {fqn!r} with param_dtype={param_dtype}: an owner's "
+            "AdamW on a param_dtype compute copy is not supported. Leave it to FSDP2 (its MixedPrecisionPolicy "
+            "casts it) or drop param_dtype."
         )
     if not p.requires_grad:
         raise ValueError(
@@ -375,7 +445,8 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
         p = s.param
         owner = plan.owners[s.fqn]
         dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(p.shape), p.dtype,
-                            config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank)
+                            config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank,
+                            route=s.route)
         setattr(p, DEDICATED_ATTR, owner)
         dps_by_boundary.setdefault(boundary_of[s.fqn], []).append(dp)
     groups = [(modules[b], BoundaryGroup(b, dps, ctx, config)) for b, dps in dps_by_boundary.items()]

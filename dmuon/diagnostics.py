@@ -29,6 +29,7 @@ import torch.nn as nn
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
 from .partition import ns_cost
+from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .runtime.hooks import get_state
 
@@ -152,7 +153,9 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
         "rank": torch.distributed.get_rank(), "slot": ctx.rank,
         "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
                    "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
-                   "ns_flops": ns_cost((int(dp.shape[0]), int(dp.shape[1])))} for dp in owned],
+                   "route": dp.route.value,  # an adamw_owner param runs no NS
+                   "ns_flops": ns_cost((int(dp.shape[0]), int(dp.shape[1]))) if dp.route is Route.MUON else 0.0}
+                  for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders
         "expected": {"forward_broadcast": P, "backward_broadcast": P if state.config.reshard_after_forward else 0,
                      "reduce": P + (column if hsdp else 0), "replicate_publish": column if hsdp else 0},

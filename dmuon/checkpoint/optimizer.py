@@ -16,6 +16,7 @@ from ..runtime import comm as C
 from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam
+from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
@@ -47,10 +48,15 @@ def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
     return [list(names) for names in optimizer.group_fqns()]
 
 
+#: groups of dedicated params: their state lives on the owner only (``adamw_owned``: AdamW on the owner)
+_OWNER_KINDS = ("muon", "adamw_owned")
+
+
 def _adamw_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
+    """The AdamW params every rank steps (FSDP2 shards and plain params), with their groups."""
     return [
         (name, p, g)
-        for g in optimizer.param_groups if g["kind"] != "muon"
+        for g in optimizer.param_groups if g["kind"] not in _OWNER_KINDS
         for p, name in zip(g["params"], g["param_names"])
     ]
 
@@ -105,7 +111,7 @@ def get_optimizer_state_dict(
                 continue
             entry = {}
             for k, shape, dtype in muon_meta[dp.fqn]:
-                buf = (opt.state[dp.param][k].detach().clone() if mine
+                buf = (opt.state[dp.param][k].detach().to(ctx.device, copy=True) if mine  # AdamW's step: CPU
                        else torch.empty(shape, dtype=dtype, device=ctx.device))
                 entry[k] = finish(C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}",
                                                      dim=C.Dim.WORLD)))
@@ -220,7 +226,11 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
 
 
 def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
-    """The Muon state keys ``dp`` may have and their dtypes (rank-independent)."""
+    """The state keys a dedicated ``dp`` may have on its owner and their dtypes (rank-independent): Muon's,
+    or AdamW's for an ``adamw_owner`` param."""
+    if dp.route is Route.ADAMW_OWNER:
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {"step": scalar, "exp_avg": dp.dtype, "exp_avg_sq": dp.dtype}
     out = {"momentum_buffer": opt.update_dtype(dp)}
     master = opt.state_master_dtype(dp)
     if master is not None:
@@ -300,14 +310,21 @@ def _sources(state: DMuonState, state_dict: Any, mode: Mode) -> tuple[list[dict]
 
 def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
                         local_state: Mapping[str, Any]) -> dict[nn.Parameter, dict[str, Any]]:
-    """Muon momenta (and masters) for the (possibly new) owners."""
+    """Muon momenta (and masters), and AdamW state of ``adamw_owner`` params, for the (possibly new) owners."""
     new_state: dict[nn.Parameter, dict[str, Any]] = {}
+    group_of = {id(p): g for g in opt.param_groups if g["kind"] == "adamw_owned" for p in g["params"]}
+
+    def place(p: nn.Parameter, k: str, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        g = group_of.get(id(p), {})
+        on_device = k != "step" or g.get("fused") or g.get("capturable")  # torch's AdamW keeps step on the CPU
+        return v.detach().to(p.device if on_device else "cpu", dtype).clone()
+
     for dp in state.dedicated():
         p = dp.bound()
         if mode is Mode.ALL:
             if dp.is_owner and dp.fqn in local_state:
                 dtypes = _muon_state_dtypes(opt, dp)
-                new_state[p] = {k: v.detach().to(p.device, dtypes[k]).clone() for k, v in local_state[dp.fqn].items()}
+                new_state[p] = {k: place(p, k, v, dtypes[k]) for k, v in local_state[dp.fqn].items()}
             continue
         for k, (shape, dtype, _) in sorted(structure.get(dp.fqn, {}).items()):  # type: ignore[union-attr]
             v = local_state.get(dp.fqn, {}).get(k)
@@ -316,7 +333,7 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
             else:
                 full = bcast_from_rank0(state, v, torch.Size(shape), dtype, f"{dp.fqn}.{k}")
             if dp.is_owner:
-                new_state.setdefault(p, {})[k] = full.detach().to(p.device, _muon_state_dtypes(opt, dp)[k]).clone()
+                new_state.setdefault(p, {})[k] = place(p, k, full, _muon_state_dtypes(opt, dp)[k])
     return new_state
 
 

@@ -67,7 +67,7 @@ class ResolvedGroup:
 class _Model:
     """What resolution needs to know about the model: every param by FQN and by identity."""
 
-    def __init__(self, model: nn.Module, dedicated: Iterable[str]):
+    def __init__(self, model: nn.Module, dedicated: Iterable[str], owner_adamw: Iterable[str]):
         self.by_name: dict[str, nn.Parameter] = {}
         self.name_of: dict[int, str] = {}
         for raw, p in model.named_parameters(remove_duplicate=False):
@@ -76,7 +76,8 @@ class _Model:
             self.by_name[canonical_name(raw)] = p
             self.by_name.setdefault(name, p)
         self.order = {name: i for i, name in enumerate(dict.fromkeys(self.name_of.values()))}
-        self.dedicated = set(dedicated)
+        #: dedicated for Muon, and dedicated for AdamW on the owner (``Route.ADAMW_OWNER``)
+        self.dedicated, self.owner_adamw = set(dedicated), set(owner_adamw)
 
     def lookup(self, item: object, where: str) -> str:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -152,7 +153,8 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
         raise TypeError(f"{where}: 'use_muon' must be True or False, got {use_muon!r}")
     if use_muon and others:
         p = model.by_name[others[0]]
-        why = (f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim != 2 else
+        why = ("dmuon.dedicate_params(route=...) routed it 'adamw_owner'" if others[0] in model.owner_adamw else
+               f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim != 2 else
                "it is not dedicated (Muon needs the whole matrix on one owner): select it in "
                "dmuon.dedicate_params(predicate=...)")
         raise ValueError(f"{where}: use_muon=True but {others[0]!r} cannot take Muon: {why}.")
@@ -165,14 +167,15 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
 
 
 def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, *, dedicated: Iterable[str],
-                   muon_defaults: MuonHParams, adamw_defaults: AdamWHParams,
+                   owner_adamw: Iterable[str] = (), muon_defaults: MuonHParams, adamw_defaults: AdamWHParams,
                    taken: Iterable[str] = (), first_index: int = 0, with_defaults: bool = True
                    ) -> list[ResolvedGroup]:
     """Resolve and check user groups; append the default groups (``with_defaults``) for every trainable
-    param no group names. ``taken``: FQNs that earlier groups already hold, ``first_index``: the number
+    param no group names. ``dedicated``: the FQNs on Muon, ``owner_adamw``: the dedicated ones an owner
+    steps with AdamW. ``taken``: FQNs that earlier groups already hold, ``first_index``: the number
     of the first group in errors and default names (both for ``add_param_group``).
     Deterministic: every rank that passes the same groups gets the same answer, or the same error."""
-    m = _Model(model, dedicated)
+    m = _Model(model, dedicated, owner_adamw)
     if specs is None:
         specs = []
     if isinstance(specs, Mapping) or not isinstance(specs, Sequence):
@@ -209,17 +212,22 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
     return out
 
 
-def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned: set[str]
-                 ) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned: set[str],
+                 owner_adamw: set[str] = frozenset()) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
     """The internal torch groups of one resolved group ([Note: group layout]), each with its global FQNs:
-    Muon → the matrices this rank owns; AdamW → FSDP2 shards, then plain params."""
+    Muon → the matrices this rank owns; AdamW → FSDP2 shards, plain params, and (only where the group has
+    any) the ``adamw_owner`` params this rank owns."""
+    def entry(kind: str, names: list[str], everyone: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
+        return (dict(params=[params[n] for n in names], param_names=names, kind=kind, **group.entries()),
+                tuple(everyone))
+
     if group.use_muon:
-        mine = [n for n in group.fqns if n in owned]
-        return [(dict(params=[params[n] for n in mine], param_names=mine, kind="muon", **group.entries()),
-                 group.fqns)]
-    out = []
-    for kind, want_dtensor in (("adamw", True), ("adamw_replicated", False)):
-        names = [n for n in group.fqns if isinstance(params[n], DTensor) == want_dtensor]
-        out.append((dict(params=[params[n] for n in names], param_names=names, kind=kind, **group.entries()),
-                    tuple(names)))
+        return [entry("muon", [n for n in group.fqns if n in owned], group.fqns)]
+    plain = [n for n in group.fqns if n not in owner_adamw]
+    out = [entry(kind, names, names) for kind, names in (
+        ("adamw", [n for n in plain if isinstance(params[n], DTensor)]),
+        ("adamw_replicated", [n for n in plain if not isinstance(params[n], DTensor)]))]
+    everyone = [n for n in group.fqns if n in owner_adamw]
+    if everyone:
+        out.append(entry("adamw_owned", [n for n in everyone if n in owned], everyone))
     return out

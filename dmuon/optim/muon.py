@@ -33,6 +33,7 @@ from ..runtime import comm as C
 from ..runtime.hooks import DMuonState, get_state, unwrap_ddp
 from ..runtime.param import DedicatedParam
 from ..runtime.precision import check_float_dtype, is_wider
+from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
 from .update import AdamWHParams, MuonHParams, muon_update_batch_
@@ -61,6 +62,11 @@ def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
                 f"owners keep the {dp.dtype} values as masters), or convert the dedicated params to {pd} before "
                 "dedicate_params."
             )
+
+
+def _names(state: DMuonState, route: Route) -> list[str]:
+    """The canonical FQNs of the dedicated params on ``route``."""
+    return [canonical_name(dp.fqn) for dp in state.dedicated() if dp.route is route]
 
 
 def _keyword_only_after_lr(init: Callable[..., None]) -> Callable[..., None]:
@@ -252,7 +258,8 @@ class Muon(torch.optim.Optimizer):
         error: BaseException | None = None
         resolved: list[ResolvedGroup] = []
         try:
-            resolved = resolve_groups(model, specs, dedicated=[canonical_name(dp.fqn) for dp in state.dedicated()],
+            resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON),
+                                      owner_adamw=_names(state, Route.ADAMW_OWNER),
                                       muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
         except (TypeError, ValueError) as e:
@@ -280,10 +287,11 @@ class Muon(torch.optim.Optimizer):
         params = {canonical_name(n): p for n, p in model.named_parameters()}
         params.update({canonical_name(dp.fqn): dp.bound() for dp in state.owned()})
         owned = {canonical_name(dp.fqn) for dp in state.owned()}
+        owner_adamw = set(_names(state, Route.ADAMW_OWNER))
         out = []
         for group in resolved:
-            for g, names in torch_groups(group, params, owned):
-                if g["kind"] == "muon":
+            for g, names in torch_groups(group, params, owned, owner_adamw):
+                if g["kind"] in ("muon", "adamw_owned"):
                     g["param_names"] = [fqn_of[n] for n in g["param_names"]]
                     names = tuple(fqn_of[n] for n in names)
                 out.append((g, names))
@@ -329,8 +337,9 @@ class Muon(torch.optim.Optimizer):
     # Mixed precision                                                      #
     # ------------------------------------------------------------------ #
     def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
-        """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank."""
-        if self.master_dtype is None or dp.compute_dtype != dp.dtype:  # param_dtype: its own value is the master
+        """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank.
+        AdamW params (``adamw_owner`` ones too) have none: ``master_dtype`` is Muon's."""
+        if self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON:  # param_dtype: its own value is the master
             return None
         return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
 
@@ -379,7 +388,7 @@ class Muon(torch.optim.Optimizer):
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         for dp in self._dmuon_state.owned():
             p = dp.bound()
-            if "momentum_buffer" not in self.state[p]:
+            if dp.route is Route.MUON and "momentum_buffer" not in self.state[p]:
                 self._update_target(dp)  # creates a master_dtype master from the param, as a first step does
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=self.update_dtype(dp),
                                                                     memory_format=torch.preserve_format)
@@ -468,6 +477,11 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._step_muon_group(group, owned)
+            elif group["kind"] == "adamw_owned":
+                for p in group["params"]:  # a gradient reduced in a wider dtype: AdamW reads .grad
+                    grad = owned[id(p)].reduced_grad()
+                    if p.grad is None and grad is not None:
+                        p.grad = grad.to(p.dtype)
         self._adamw.step()
         self._check_pending = False
         state.publish_updates()

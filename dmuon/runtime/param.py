@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import raise_internal
 from .precision import refresh_master_
+from .route import Route
 
 __all__ = ["DEDICATED_ATTR", "is_dedicated", "GradState", "DedicatedParam"]
 
@@ -55,7 +56,7 @@ class GradState(enum.Enum):
 
 @dataclass(eq=False)
 class DedicatedParam:
-    """One dedicated matrix. The parameter is re-resolved by module and name, never held by identity only,
+    """One dedicated parameter (a matrix, or with ``Route.ADAMW_OWNER`` any non-scalar param). The parameter is re-resolved by module and name, never held by identity only,
     because ``module.to_empty()`` (meta-device init) replaces ``Parameter`` objects."""
 
     # Static #
@@ -71,6 +72,8 @@ class DedicatedParam:
     param_dtype: torch.dtype | None = None
     #: Whether this rank is the owner (fixed: the plan never changes).
     is_owner: bool = False
+    #: ``Route.MUON`` or ``Route.ADAMW_OWNER``: which algorithm the owner runs on it.
+    route: Route = Route.MUON
 
     # Runtime (written only by the methods below) #
     #: The parameter object currently bound to a bucket (``None`` until the first bind).
