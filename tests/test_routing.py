@@ -7,8 +7,8 @@ then hold no FSDP2 params, so only the root is ``fully_shard``-ed) and ``adamw_r
 Every variant also passes one param group (no weight decay for those norms), so an ``adamw_owner``
 param in a user group is covered. The math is the same in all three: AdamW is elementwise, and at 2
 ranks every average is ``(a + b) / 2`` rounded once (FSDP2 halves each gradient then sums, dmuon sums
-then halves: scaling by 2 is exact), so the runs are compared bit for bit, and at 4 ranks against the
-single-process oracle.
+then halves: scaling by 2 is exact), so the runs are compared bit for bit (also for a bfloat16 model
+averaged in float32), and at 4 ranks (flat and HSDP 2x2) against the single-process oracle.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import dmuon
 from dmuon.tools.models import projection_predicate
@@ -37,17 +37,29 @@ def _layer_norm(fqn: str, p: torch.Tensor) -> bool:
     return fqn.startswith("layers.") and p.ndim == 1
 
 
-def _build(world: int, variant: str, seed: int = 0):
-    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+def _build(world: int, variant: str, seed: int = 0, *, hsdp: bool = False, bf16: bool = False):
+    """``bf16``: a bfloat16 model whose gradients are averaged in float32 (FSDP2's ``reduce_dtype`` and
+    dmuon's), Muon on float32 masters."""
+    if hsdp:
+        grid = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh, extra = grid, {"replicate_mesh": grid["replicate"]}
+    else:
+        mesh, extra = init_device_mesh(DEVICE_TYPE, (world,)), {}
     model = build_model(seed=seed).to(device())
+    fsdp_kw = {}
+    if bf16:
+        model = model.to(torch.bfloat16)
+        extra["reduce_dtype"] = torch.float32
+        fsdp_kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     route = None if variant == "default" else (lambda n, p: variant if _layer_norm(n, p) else None)
-    dmuon.dedicate_params(model, mesh, projection_predicate, route=route)
+    dmuon.dedicate_params(model, mesh["shard"] if hsdp else mesh, projection_predicate, route=route, **extra)
     if variant == "default":
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **fsdp_kw)
+    fully_shard(model, mesh=mesh, **fsdp_kw)
     norms = [n for n, p in model.named_parameters() if _layer_norm(n, p)]
-    opt = dmuon.Muon(model, **muon_kwargs(), param_groups=[{"params": norms, "weight_decay": 0.0, "name": "norms"}])
+    opt = dmuon.Muon(model, **muon_kwargs(), master_dtype=torch.float32 if bf16 else None,
+                     param_groups=[{"params": norms, "weight_decay": 0.0, "name": "norms"}])
     return model, opt
 
 
@@ -65,8 +77,9 @@ def _train(model, opt, rank: int, world: int, first: int, last: int, losses: lis
         losses.append(logged.item())
 
 
-def run_variant(rank: int, world: int, variant: str, restart: str | None = None, ckpt_dir: str | None = None) -> dict:
-    model, opt = _build(world, variant)
+def run_variant(rank: int, world: int, variant: str, restart: str | None = None, ckpt_dir: str | None = None,
+                **build: bool) -> dict:
+    model, opt = _build(world, variant, **build)
     layout = {
         "fsdp_units": sorted(n or "<root>" for n, m in model.named_modules() if isinstance(m, FSDPModule)),
         "kinds": [(g["name"], g["kind"], list(names)) for g, names in zip(opt.param_groups, opt.group_fqns())],
@@ -112,7 +125,11 @@ def _restart(model, opt, world: int, variant: str, route: str, ckpt_dir: str):
 
 def routing_job(rank: int, world: int) -> dict:
     out = {v: run_variant(rank, world, v) for v in VARIANTS}
+    if world == 4:
+        out["adamw_owner_hsdp"] = run_variant(rank, world, "adamw_owner", hsdp=True)
     if world == 2:
+        for v in ("default", "adamw_owner"):  # the owner's AdamW reads a gradient averaged in float32
+            out[f"bf16_{v}"] = run_variant(rank, world, v, bf16=True)
         with tempfile.TemporaryDirectory() as d:
             box = [d]
             dist.broadcast_object_list(box, src=0)
@@ -183,6 +200,16 @@ def test_routing_variants_are_bit_identical_at_two_ranks(runs):
     for rank, res in enumerate(results):
         for variant in VARIANTS[1:]:
             assert_bitwise(res[variant], res["default"], f"rank {rank} {variant} vs default")
+        assert_bitwise(res["bf16_adamw_owner"], res["bf16_default"], f"rank {rank} bf16 adamw_owner vs default")
+        assert res["bf16_default"]["weights"]["norm.weight"].dtype == torch.bfloat16
+        assert res["bf16_default"]["losses"] != res["default"]["losses"]  # the bf16 runs are runs of their own
+
+
+def test_owner_routed_norms_under_hsdp_match_the_oracle(runs):
+    world, results = runs
+    if world != 4:
+        pytest.skip("HSDP 2x2 needs 4 ranks")
+    assert_close_to(results[0]["adamw_owner_hsdp"], oracle_norms_without_decay(), "HSDP 2x2 adamw_owner")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -160,9 +160,14 @@ class _NaiveFSDPMuon:
         self.adamw.step()
 
 
+def _layer_norm_route(route: str) -> Any:
+    """``--dmuon-norms``: route the 1-D params inside ``layers.N`` (the norms) to ``route``."""
+    return lambda fqn, p: route if fqn.startswith("layers.") and p.ndim == 1 else None
+
+
 def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, mesh,
            ns: dict[str, Any] | None = None, dmuon_wrap: str = "layers", *, replicate_async: bool = True,
-           prefetch: bool = True) -> tuple[nn.Module, Any]:
+           prefetch: bool = True, dmuon_norms: str = "fsdp") -> tuple[nn.Module, Any]:
     """One variant's model and optimizer; ``mesh`` is 1-D or the 2-D ``(replicate, shard)`` HSDP grid."""
     from torch.distributed.fsdp import fully_shard
 
@@ -189,7 +194,8 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
         hsdp = mesh.ndim == 2
         dmuon.dedicate_params(model, mesh["shard"] if hsdp else mesh, _is_proj,
                               replicate_mesh=mesh["replicate"] if hsdp else None,
-                              reshard_after_forward=variant == "dmuon_z3", prefetch=prefetch)
+                              reshard_after_forward=variant == "dmuon_z3", prefetch=prefetch,
+                              route=None if dmuon_norms == "fsdp" else _layer_norm_route(dmuon_norms))
     if not variant.startswith("dmuon") or dmuon_wrap == "layers":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -221,7 +227,7 @@ def _e2e_ms(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, steps:
 
 def _time_variant(variant: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh) -> Timing:
     model, opt = _build(variant, args.preset, device, dtype, mesh, _ns_options(args), args.dmuon_wrap,
-                        replicate_async=args.replicate_async == "on")
+                        replicate_async=args.replicate_async == "on", dmuon_norms=args.dmuon_norms)
     vocab = BENCH_PRESETS[args.preset][5]
     gen = torch.Generator().manual_seed(1)
     tok = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen).to(device)
@@ -357,6 +363,10 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
                         help="dmuon variants: fully_shard each layer and the root (the recipe), only the root "
                              "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit), "
                              "or nothing (other params replicated, gradients averaged by dmuon like DDP)")
+    parser.add_argument("--dmuon-norms", choices=["fsdp", "adamw_owner", "adamw_replicated"], default="fsdp",
+                        help="dmuon variants: where the layers' norms go (dedicate_params(route=...)): FSDP2 (the "
+                             "recipe), their owners (AdamW there), or replicated; with either of the last two a "
+                             "layer holds no FSDP2 params, so pair it with --dmuon-wrap root")
     parser.add_argument("--ns-backend", choices=["direct", "direct_fp16", "gram", "auto"], default="auto",
                         help="dmuon's Newton-Schulz form (default: auto, dmuon.Muon's; direct: torch's)")
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
@@ -391,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                            "torch": torch.__version__, "dtype": str(dtype), "batch": args.batch, "seq": args.seq,
                            "ns_backend": args.ns_backend, "ns_coefficients": args.ns_coefficients,
-                           "dmuon_wrap": args.dmuon_wrap, "master_dtype": args.master_dtype,
+                           "dmuon_wrap": args.dmuon_wrap, "dmuon_norms": args.dmuon_norms,
+                           "master_dtype": args.master_dtype,
                            "replicate": args.replicate, "replicate_async": args.replicate_async,
                            "e2e_steps": args.e2e_steps}
     if args.simulate_world_size:
