@@ -289,3 +289,65 @@ def test_bad_routes_raise_on_every_rank_and_change_nothing():
         assert DOWN not in res["dedicated"] and NORM in res["dedicated"]
         assert res["down_is_dtensor"] == "DTensor" and res["kinds"][DOWN] == ("default_adamw", "adamw")
         assert res["kinds"][NORM] == ("default_adamw", "adamw_owned")
+
+
+# --------------------------------------------------------------------------------------------------- #
+# One boundary, two dtypes: float64 MLP matrices beside float32 attention matrices                     #
+# --------------------------------------------------------------------------------------------------- #
+def _float64_mlps(model) -> None:
+    """Every block's MLP in float64 (its input cast up, its output back): a boundary whose dedicated
+    matrices have two dtypes, as a float32 head beside bfloat16 blocks would."""
+    for layer in model.layers:
+        layer.mlp.double()
+        layer.mlp.forward = (lambda f: lambda x: f(x.double()).float())(layer.mlp.forward)
+
+
+@rank_threads()
+def oracle_float64_mlps() -> dict:
+    torch.manual_seed(0)
+    model = build_model().to(device())
+    _float64_mlps(model)
+    named = dict(model.named_parameters())
+    hp = MUON_HP
+    opt_m = torch.optim.Muon([p for n, p in named.items() if projection_predicate(n, p)], lr=hp.lr,
+                             weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
+                             ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps,
+                             adjust_lr_fn=hp.adjust_lr_fn.value)
+    opt_a = torch.optim.AdamW([p for n, p in named.items() if not projection_predicate(n, p)],
+                              **ADAMW_HP.group_entries())
+    losses = []
+    for tok, tgt in batches(STEPS):
+        for o in (opt_m, opt_a):
+            o.zero_grad()
+        loss = model(tok.to(device()), tgt.to(device())).loss
+        loss.backward()
+        for o in (opt_m, opt_a):
+            o.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
+
+def mixed_dtype_job(rank: int, world: int) -> dict:
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = build_model().to(device())
+    _float64_mlps(model)
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, **muon_kwargs())
+    losses: list[float] = []
+    _train(model, opt, rank, world, 0, STEPS, losses)
+    state = dmuon.diagnostics.summarize(model).as_dict()
+    return {"losses": losses, "weights": full_weights(model),
+            "dtypes": {n: str(p.dtype) for n, p in dmuon.get_dedicated_params(model).items()}, "summary": state}
+
+
+def test_a_boundary_with_two_dtypes_matches_the_oracle():
+    results = run_distributed(mixed_dtype_job, 2)
+    dtypes = results[0]["dtypes"]
+    assert {d for n, d in dtypes.items() if ".mlp." in n} == {"torch.float64"}
+    assert {d for n, d in dtypes.items() if ".attention." in n} == {"torch.float32"}
+    assert_close_to(results[0], oracle_float64_mlps(), "float64 MLPs beside float32 attention")
+    for name, w in results[0]["weights"].items():
+        assert w.dtype == (torch.float64 if ".mlp." in name else torch.float32), name

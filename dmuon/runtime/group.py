@@ -151,12 +151,14 @@ class BoundaryGroup:
         self.ctx = ctx
         self.config = config
         S = ctx.shard_size
-        by_column: dict[int, list[DedicatedParam]] = {}
+        # one bucket per (shard column, compute dtype): a boundary may mix dtypes (an fp32 head beside
+        # bf16 blocks); a flat buffer holds one. Sorted by column, then dtype name: the same on every rank.
+        by_key: dict[tuple[int, str], list[DedicatedParam]] = {}
         for dp in self.params:
-            by_column.setdefault(dp.owner % S, []).append(dp)
+            by_key.setdefault((dp.owner % S, str(dp.compute_dtype)), []).append(dp)
         self.buckets = []
-        for column in sorted(by_column):
-            dps = sorted(by_column[column], key=lambda dp: dp.owner // S)  # stable: plan order within a row
+        for column, _ in sorted(by_key):
+            dps = sorted(by_key[column, _], key=lambda dp: dp.owner // S)  # stable: plan order within a row
             offsets, total = [], 0
             for dp in dps:
                 offsets.append(total)
@@ -216,8 +218,8 @@ class BoundaryGroup:
             p = dp.current()
             if dp.compute_dtype != dtype:
                 raise ValueError(
-                    f"dmuon: dedicated params owned by one rank in boundary {self.fqn!r} must share a "
-                    f"dtype; {dp.fqn} is {dp.compute_dtype}, expected {dtype}."
+                    f"dmuon: dedicated param {dp.fqn} of boundary {self.fqn!r} now computes in {dp.compute_dtype}, "
+                    f"but dedicate_params saw {dtype}; change dtypes before dedicate_params, not after."
                 )
             value = p.detach()
             view = flat[off : off + dp.shape.numel()].view(dp.shape)
