@@ -145,6 +145,8 @@ def _steps(model, opt, sched, rank: int, world: int, first: int, last: int, loss
         if step < first:
             continue
         _edit([g for g in opt.param_groups if g["name"] == "attn"], step)
+        if step == 2:  # torch's own state-dict round trip keeps the groups, their state and AdamW's wiring
+            opt.load_state_dict(opt.state_dict())
         opt.zero_grad()
         loss = model(tok[rank * per:(rank + 1) * per].to(device()), tgt[rank * per:(rank + 1) * per].to(device())).loss
         loss.backward()
