@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 try:
-    from quack.gemm_interface import gemm_symmetric
+    from quack.gemm_interface import gemm, gemm_add, gemm_symmetric
 except Exception:  # noqa: BLE001 - optional: a missing or broken install leaves the Triton kernel in charge
-    gemm_symmetric = None
+    gemm = gemm_add = gemm_symmetric = None
 
-__all__ = ["QUACK_MIN_DIM", "available", "why_not", "symmetric_product"]
+__all__ = ["QUACK_MIN_DIM", "available", "full_product", "why_not", "symmetric_product"]
 
 #: smallest ``m`` worth quack's kernel inside NS: measured on an H200 the whole NS call was slower with it
 #: than with cuBLAS's full products at m = 512 (4 x 512 x 2048: 1.16 ms against 0.34) and m = 1024
@@ -57,3 +57,11 @@ def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, be
         out = gemm_symmetric(Y, B)
         return out if alpha == 1.0 else out.mul_(alpha)
     return gemm_symmetric(Y, B, C=D, alpha=alpha, beta=beta)
+
+
+def full_product(Y: Tensor, Z: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
+    """``alpha Y Z + beta C`` for ``(batch, m, k)`` ``Y`` and ``(batch, k, n)`` ``Z`` with quack's (autotuned) GEMM,
+    in ``Y``'s dtype with fp32 accumulation, rounded once: what ``torch.baddbmm`` computes with cuBLAS."""
+    if C is None or beta == 0.0:
+        return gemm(Y, Z, alpha=alpha)
+    return gemm_add(Y, Z, C, alpha=alpha, beta=beta)

@@ -3,7 +3,8 @@
 Newton–Schulz forms ``X X^T`` and ``b A + c A A`` with ``A`` symmetric (so ``A A = A A^T``) in every step,
 and the Gram form also ``P Q`` and ``A P P`` of commuting symmetric matrices. :func:`symmetric_product`
 computes ``alpha Y Z^T + beta D`` on the tiles on and above the diagonal only and writes each off-diagonal
-tile twice, as itself and as its transpose. Measured
+tile twice, as itself and as its transpose. :func:`poly_diagonal` writes the diagonal of ``a I + b A + c A^2``
+rounded once (the Gram form's polynomial; see its docstring for why the diagonal needs it). Measured
 on an H200 against ``torch.bmm`` (cuBLAS) on the Llama presets' NS shapes: 0.59-0.81x the time for ``m >=
 1024``, slower for ``m = 512`` (too few tiles; :data:`SYMMETRIC_MIN_DIM`). Accumulation is fp32 like
 cuBLAS's, in a different order, so results differ from it in the last bit: only ``ns_backend="auto"``
@@ -23,7 +24,7 @@ try:
 except ImportError:  # the kernel is optional: without Triton, callers keep torch's matmuls
     triton = None
 
-__all__ = ["SYMMETRIC_MIN_DIM", "kernel_for", "symmetric_product", "usable"]
+__all__ = ["SYMMETRIC_MIN_DIM", "kernel_for", "poly_diagonal", "symmetric_product", "usable"]
 
 #: smallest ``m`` (rows of ``Y``) worth the kernel: at ``m = 512`` cuBLAS's full product was faster, and at
 #: ``m = 1024`` the whole Gram-form NS call was (8 x 1024 x 4096 on an H200: 1.77 ms against 1.17)
@@ -63,6 +64,21 @@ if triton is not None:
         tl.store(C + b * s_cb + rm[:, None] * s_cm + rn[None, :] * s_cn, out, mask=mask)
         if i != j:
             tl.store(C + b * s_cb + rn[:, None] * s_cm + rm[None, :] * s_cn, tl.trans(out), mask=tl.trans(mask))
+
+    @triton.jit
+    def _poly_diagonal_kernel(A, P, M, a, b, c, s_ab, s_am, s_ak, s_pb, s_pm, s_pn, BLOCK_K: tl.constexpr):
+        """``P[b, i, i] = a + b A[b, i, i] + c sum_k A[b, i, k]^2``, in fp32, stored once in ``P``'s dtype."""
+        i = tl.program_id(0).to(tl.int64)
+        bb = tl.program_id(1).to(tl.int64)
+        row = A + bb * s_ab + i * s_am
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, M, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(row + offs * s_ak, mask=offs < M, other=0.0).to(tl.float32)
+            acc += v * v
+        d = tl.load(row + i * s_ak).to(tl.float32)
+        val = a + b * d + c * tl.sum(acc, axis=0)
+        tl.store(P + bb * s_pb + i * (s_pm + s_pn), val.to(P.dtype.element_ty))
 
 
 _PAIRS: dict[tuple[int, torch.device], Tensor] = {}
@@ -137,3 +153,30 @@ def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, be
         HAS_D=D is not None, BLOCK=_BLOCK, BLOCK_K=_BLOCK_K, num_warps=8, num_stages=4 if m >= 4096 else 3,
     )
     return C
+
+
+def poly_diagonal(P: Tensor, A: Tensor, a: float, b: float, c: float) -> Tensor:
+    """Overwrite the diagonal of ``P`` (``(batch, m, m)``) with that of ``a I + b A + c A A^T`` (``A`` symmetric:
+    ``A A^T = A^2``), computed in fp32 from ``A`` and rounded once to ``P``'s dtype; returns ``P``.
+
+    The Gram form's ``P = a I + b A + c A^2`` is formed as ``b A + c A^2`` by a matmul epilogue, rounded to
+    float16, and ``a`` added to its diagonal. Near convergence the three terms cancel (at ``A``'s eigenvalue
+    1, Keller Jordan's ``3.4445 - 4.775 + 2.0315 = 0.70`` from a ``b A + c A^2`` of -2.74), so rounding that
+    intermediate costs about 4 float16 units of ``P``'s own size on the diagonal, where ``P``'s Frobenius
+    norm sits. Off the diagonal ``a I`` adds nothing, so those entries are rounded once already; this
+    recomputes the diagonal alone (one pass over ``A``: ``m^2`` reads against the ``m^3`` of the product).
+    On CUDA with Triton one kernel; elsewhere torch's reductions.
+    """
+    if P.ndim != 3 or A.shape != P.shape or P.shape[-1] != P.shape[-2]:
+        raise ValueError(f"expected P and A (batch, m, m), got {tuple(P.shape)} and {tuple(A.shape)}")
+    batch, m, _ = A.shape
+    if batch == 0 or m == 0:
+        return P
+    if triton is not None and A.is_cuda:
+        _poly_diagonal_kernel[(m, batch)](A, P, m, float(a), float(b), float(c), *A.stride(), *P.stride(),
+                                          BLOCK_K=1024, num_warps=4)
+        return P
+    sq = torch.linalg.vector_norm(A, dim=-1, dtype=torch.float32).square_()
+    diag = A.diagonal(dim1=-2, dim2=-1).float()
+    P.diagonal(dim1=-2, dim2=-1).copy_(sq.mul_(c).add_(diag, alpha=b).add_(a))
+    return P

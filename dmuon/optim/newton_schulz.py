@@ -36,8 +36,16 @@ Two more options sit beside that torch-identical form:
   end: ``8 m^2 n + 28 m^3`` flops for 5 steps (one restart) against ``20 m^2 n + 10 m^3``, a win once
   ``n >= 1.5 m``. Squaring the condition number makes bfloat16 unusable there (measured: the iteration
   drifts far from the exact polynomial), so the Gram space runs in float16 and restarts from the
-  current ``X`` (re-forming ``R``) every 3 steps, which bounds the drift (1.4-1.6e-3 relative
-  distance to the float64 iteration on the Llama shares, measured on an H200).
+  current ``X`` (re-forming ``R``) every 3 steps, which bounds the drift. Two roundings matter there.
+  (1) With ``||X_0||_F = 1`` the entries of ``R`` are about ``1 / (m sqrt(n))`` off the diagonal, float16
+  subnormals for the Llama shapes, so the first segment starts from ``X_0`` scaled to ``||X_0||_F^2 = s``
+  (a power of 4 near ``m``; exact) and works with ``s R``. (2) Near convergence ``P = a I + b A + c A^2``
+  is a small difference of large terms (0.70 from 3.44 - 4.78 + 2.03), so ``b A + c A^2`` rounded before
+  ``a`` is added loses about 4 float16 units of ``P`` on its diagonal; the diagonal is recomputed in fp32
+  and rounded once (:func:`dmuon.optim._symmetric.poly_diagonal`, one pass over ``A``). Measured on an
+  H200: 1.0-1.3e-3 relative distance to the float64 iteration on the Llama shares, 1.5-1.6e-3 before both.
+  A tall input's Gram form reads a transposed view of the input's own layout and returns a contiguous
+  result (no transposing copy on either side).
   ``"auto"`` on CUDA takes ``"gram"`` for shapes with ``n >= GRAM_MIN_ASPECT * m`` whose work is at
   least :data:`GRAM_MIN_WORK` and ``"direct_fp16"`` otherwise, and forms the products whose result is
   symmetric (``X X^T``, ``b A + c A A``, and in the Gram form ``P Q`` and ``A P P``, products of commuting
@@ -70,6 +78,8 @@ __all__ = [
     "GRAM_MIN_WORK",
     "GRAM_FIRST_RESTART",
     "GRAM_RESTART_EVERY",
+    "GRAM_MAX_SCALE",
+    "QUACK_FULL_PRODUCTS",
     "resolve_backend",
     "explain",
     "DEFAULT_NS_STEPS",
@@ -122,10 +132,24 @@ GRAM_MIN_WORK = 2**33
 #: The Gram form re-forms ``R`` from the current ``X`` after :data:`GRAM_FIRST_RESTART` steps, then after
 #: every further ``GRAM_RESTART_EVERY`` steps: for 5 steps one restart, after step 3. The products are the
 #: same wherever the restart sits (a segment's work is linear in its length). gram-newton-schulz restarts
-#: after step 2; measured on an H200 (Llama-3.1-8B share at 8 ranks) that made ``"auto"``'s worst
-#: distance to the float64 iteration 2.96e-3 against 1.64e-3 after step 3, so dmuon keeps 3.
+#: after step 2; measured on an H200 (Llama-3.1-8B share at 8 ranks, before the diagonal fix) that made
+#: ``"auto"``'s worst distance to the float64 iteration 2.96e-3 against 1.64e-3 after step 3. On inputs
+#: with a wide spread of singular values the earlier restart is worse too (a float16 emulation on the CPU,
+#: 1024 x 4096 with singular values ``1/i``: 6.8e-3 against 3.9e-3), and without any restart far worse
+#: (1.5e-1), so dmuon keeps 3.
 GRAM_FIRST_RESTART = 3
 GRAM_RESTART_EVERY = 3
+#: Cap on the first Gram segment's scale (see ``_gram_scale``): that segment's ``s A_k`` has eigenvalues up to
+#: ``s`` times the largest squared value of the scalar map over its steps (1.21^2 for Keller Jordan's, 1.99^2
+#: for Polar Express's first 3 steps), so ``4^6 * 4 = 16384`` stays well inside float16's 65504.
+GRAM_MAX_SCALE = 4**6
+#: Opt-in: where quack's symmetric GEMM forms the symmetric products (``"auto"``, Hopper+, ``m >= 2048``), form
+#: the others (the Gram form's ``Q X``, the direct form's ``a X + B X``) with quack's autotuned GEMM instead of
+#: cuBLAS's. Measured on an H200 (Llama-3.1-8B share at 8 ranks): 68.7 ms against 71.1 ms. Off by default:
+#: its first call per process and shape autotunes (compiles and times every quack configuration; on a fresh
+#: H200 machine one shape took minutes), and in a distributed job a rank that tunes while its peers wait in
+#: a collective can run into the collective's timeout.
+QUACK_FULL_PRODUCTS = False
 
 #: Number of iterations ``torch.optim.Muon`` runs by default.
 DEFAULT_NS_STEPS = 5
@@ -305,13 +329,16 @@ def newton_schulz_native(
         X = G.bfloat16()
         X = X.mT if transpose else X  # same as .T for 2-D, so the 2-D path matches torch op for op
         X = _direct_iterate(X, per_step, eps, _use_symmetric(X, backend))
+    elif resolved == "gram" and steps > 0:
+        # normalised in G's own layout (a tall G is not copied into a transposed one), scaled so the first
+        # Gram matrix stays clear of float16's subnormals; the iteration reads the wide view
+        scale = _gram_scale(min(G.shape[-2:]))
+        X = _half_normalised(G, eps, math.sqrt(scale))
+        X = X.mT if transpose else X
+        X = _gram_iterate(X, per_step, _use_symmetric(X, backend), scale=scale)
     else:
         X = _half_normalised(G.mT if transpose else G, eps)
-        sym = _use_symmetric(X, backend)
-        if resolved == "gram" and steps > 0:
-            X = _gram_iterate(X, per_step, sym)
-        else:
-            X = _direct_iterate(X, per_step, eps, sym, normalised=True)
+        X = _direct_iterate(X, per_step, eps, _use_symmetric(X, backend), normalised=True)
     return X.mT if transpose else X
 
 
@@ -340,11 +367,14 @@ def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
     return {"form": form, "dtype": str(dtype).removeprefix("torch."), "symmetric_products": kernel, "why": why}
 
 
-def _half_normalised(G: Tensor, eps: float) -> Tensor:
-    """``G / max(||G||_F, eps)`` per matrix, computed in ``G``'s own dtype and rounded once to float16 (the
-    float16 forms start from the input's precision, not from a bfloat16 copy of it). The division comes
-    before the cast: float16 overflows at 65504, gradients need not fit."""
+def _half_normalised(G: Tensor, eps: float, scale: float = 1.0) -> Tensor:
+    """``scale G / max(||G||_F, eps)`` per matrix, computed in ``G``'s own dtype and rounded once to float16 (the
+    float16 forms start from the input's precision, not from a bfloat16 copy of it), laid out as ``G``'s shape
+    contiguously. The division comes before the cast: float16 overflows at 65504, gradients need not fit.
+    ``scale`` is a power of two (exact)."""
     norm = G.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    if scale != 1.0:
+        norm = norm / scale
     return torch.div(G, norm, out=torch.empty(G.shape, dtype=torch.float16, device=G.device))
 
 
@@ -364,10 +394,16 @@ def _direct_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], e
     X = X.unsqueeze(0) if squeeze else X
     if not normalised:
         X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    quack = sym and _quack_full(X)
     for a, b, c in per_step:
         A = _gram_of(X, sym)
         B = _poly(A, b, c, sym)
-        X = torch.baddbmm(X, B, X, beta=a)
+        if quack:
+            from . import _quack
+
+            X = _quack.full_product(B, X, C=X, beta=a)
+        else:
+            X = torch.baddbmm(X, B, X, beta=a)
     return X.squeeze(0) if squeeze else X
 
 
@@ -408,27 +444,73 @@ def _poly(A: Tensor, b: float, c: float, sym: bool) -> Tensor:
     return torch.baddbmm(A, A, A, beta=b, alpha=c)
 
 
-def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], sym: bool = False) -> Tensor:
+def _quack_full(X: Tensor) -> bool:
+    """Whether ``"auto"``'s full products on ``X`` go to quack's GEMM (:data:`QUACK_FULL_PRODUCTS`): only where
+    quack is the symmetric kernel (its GEMM and its symmetric GEMM come from the same install)."""
+    if not QUACK_FULL_PRODUCTS or not X.is_cuda:
+        return False
+    from . import _quack, _symmetric
+
+    return _quack.gemm is not None and _symmetric.kernel_for(X.device, X.dtype, min(X.shape[-2:]))[0] == "quack"
+
+
+def _gram_scale(m: int) -> float:
+    """The first segment's Gram scale ``s`` for ``m`` rows: the largest power of 4 at most ``m``, and at most
+    :data:`GRAM_MAX_SCALE`. With ``||X||_F = 1`` the entries of ``R = X X^T`` are about ``1 / (m sqrt(n))`` off
+    the diagonal (2e-6 for 4096 x 14336), deep in float16's subnormal range, whose fixed spacing 2^-24 leaves
+    them a few bits; ``s R`` (``||X||_F^2 = s``) has its eigenvalues about ``s / m``, near 1."""
+    s = 1
+    while 4 * s <= min(m, GRAM_MAX_SCALE):
+        s *= 4
+    return float(s)
+
+
+def _product(Y: Tensor, Z: Tensor, alpha: float = 1.0, sym: bool = False) -> Tensor:
+    """``alpha Y Z`` for a batch, rounded once. When ``Z`` is the transposed view of a contiguous tall matrix
+    (a tall input's wide view), the product is computed as ``alpha Z^T Y^T`` into a contiguous tall result and
+    its transposed view returned, so the caller's final ``.mT`` hands back a contiguous matrix."""
+    tall = Z.mT.is_contiguous() and not Z.is_contiguous()
+    if tall:
+        Y, Z = Z.mT, Y.mT
+    if sym and _quack_full(Y):
+        from . import _quack
+
+        out = _quack.full_product(Y, Z, alpha=alpha)
+        return out.mT if tall else out
+    out = torch.bmm(Y, Z) if alpha == 1.0 else torch.baddbmm(Y.new_empty(()), Y, Z, beta=0.0, alpha=alpha)
+    return out.mT if tall else out
+
+
+def _gram_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], sym: bool = False, *,
+                  scale: float = 1.0) -> Tensor:
     """The Gram-space iteration on a normalised wide float16 ``X`` (``m <= n``): returns float16 ``X_k``.
 
+    ``X`` enters scaled, ``||X||_F^2 = scale`` (a power of 4), so the first segment works with ``A = scale R``
+    and the polynomial's coefficients ``b / scale``, ``c / scale^2``; its closing product divides by
+    ``sqrt(scale)`` (exact). Later segments start from the unscaled ``X``.
+
     Per segment (the first :data:`GRAM_FIRST_RESTART` steps, then :data:`GRAM_RESTART_EVERY` each):
-    ``R = X X^T``; each step forms
-    ``P = a I + b A + c A^2``, accumulates ``Q <- P Q`` and (except on the segment's last step)
-    advances ``A <- A P P`` (everything commutes, being a polynomial in ``R``); then ``X <- Q X``.
+    ``R = X X^T``; each step forms ``P = a I + b A + c A^2`` (off the diagonal in the product's epilogue,
+    rounded once; the diagonal by :func:`dmuon.optim._symmetric.poly_diagonal`, also rounded once), accumulates
+    ``Q <- P Q`` and (except on the segment's last step) advances ``A <- A P P`` (everything commutes, being a
+    polynomial in ``R``); then ``X <- Q X``.
     """
+    from ._symmetric import poly_diagonal
+
     squeeze = X.ndim == 2
     X = X.unsqueeze(0) if squeeze else X
     bounds = [0, *range(GRAM_FIRST_RESTART, len(per_step), GRAM_RESTART_EVERY), len(per_step)]
     for start, end in zip(bounds, bounds[1:]):
+        s = scale if start == 0 else 1.0
         segment = per_step[start:end]
         A = _gram_of(X, sym)
         Q: Tensor | None = None
         for j, (a, b, c) in enumerate(segment):
-            P = _poly(A, b, c, sym)
-            P.diagonal(dim1=-2, dim2=-1).add_(a)
+            b, c = b / s, c / (s * s)
+            P = poly_diagonal(_poly(A, b, c, sym), A, a, b, c)
             Q = P if Q is None else _commuting_product(P, Q, sym)
             if j + 1 < len(segment):
                 A = _commuting_product(_commuting_product(A, P, sym), P, sym)
         assert Q is not None
-        X = torch.bmm(Q, X)
+        X = _product(Q, X, 1.0 / math.sqrt(s), sym)
     return X.squeeze(0) if squeeze else X
