@@ -153,7 +153,7 @@ def check_kernels(dev: torch.device) -> dict:
             "tall vs wide relative difference": float((tall.double() - wide.mT.double()).norm() / wide.double().norm())}
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=7)
@@ -170,27 +170,11 @@ def main() -> None:
     ap.add_argument("--shares", default="llama3.2-1b,llama3.1-8b", help=f"comma-separated, of {sorted(SHARES)}")
     ap.add_argument("--gram-restarts", default=None, metavar="FIRST,EVERY",
                     help="experiment: the Gram form's restart schedule (GRAM_FIRST_RESTART, GRAM_RESTART_EVERY)")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    if args.gram_restarts:
-        from dmuon.optim import newton_schulz as ns_module
+    return ap.parse_args()
 
-        ns_module.GRAM_FIRST_RESTART, ns_module.GRAM_RESTART_EVERY = (int(v) for v in args.gram_restarts.split(","))
-    schedule = [parse_coefficients(args.coefficients)[min(k, len(parse_coefficients(args.coefficients)) - 1)]
-                for k in range(args.steps)]
-    gns = "both" if args.gns_both else "compiled" if args.gns_compile else "eager"
-    found = variants(schedule, args.coefficients, gns, args.quack_full)
-    if args.variants:
-        wanted = args.variants.split(",")
-        missing = [w for w in wanted if w not in found]
-        if missing:
-            print(f"variants not available: {missing}; available: {list(found)}")
-        found = {k: v for k, v in found.items() if k in wanted}
-    checks = check_kernels(dev) if args.check_kernels else None
-    if checks:
-        print(json.dumps({"checks": checks}), flush=True)
-    shares = {k: SHARES[k] for k in args.shares.split(",")}
-    os.makedirs(args.out, exist_ok=True)
+
+def _measure(found: dict, shares: dict, schedule: list, args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """Every variant on every shape group, one row each (also appended to rows.jsonl as it comes)."""
     rows = []
     for share, groups in shares.items():
         for shape in groups:
@@ -213,6 +197,11 @@ def main() -> None:
                 with open(os.path.join(args.out, "rows.jsonl"), "a") as f:  # kept if a later shape runs out of time
                     f.write(json.dumps(rows[-1]) + "\n")
             del ref
+    return rows
+
+
+def _summarize(rows: list[dict], shares: dict, found: dict) -> tuple[dict, list[str]]:
+    """Per share and variant: total ms and worst distance; and the table's lines (ratios to the baselines)."""
     summary = {}
     for share in shares:
         for name in found:
@@ -220,6 +209,7 @@ def main() -> None:
             if mine and all("ms" in r for r in mine):
                 summary[f"{share} | {name}"] = {"ms": sum(r["ms"] for r in mine),
                                                 "worst_distance": max(r["distance"] for r in mine)}
+
     def ref_ms(share: str, name: str) -> float | None:
         return summary.get(f"{share} | {name}", {}).get("ms")
 
@@ -231,6 +221,33 @@ def main() -> None:
         ratios = [v["ms"] / b if (b := ref_ms(share, c)) else float("nan") for c in cols]
         lines.append(f"{key:48s} {v['ms']:9.2f} {ratios[0]:8.3f} {ratios[1]:12.3f} {ratios[2]:15.3f} "
                      f"{v['worst_distance']:19.2e}")
+    return summary, lines
+
+
+def main() -> None:
+    args = _parse_args()
+    dev = torch.device("cuda")
+    if args.gram_restarts:
+        from dmuon.optim import newton_schulz as ns_module
+
+        ns_module.GRAM_FIRST_RESTART, ns_module.GRAM_RESTART_EVERY = (int(v) for v in args.gram_restarts.split(","))
+    schedule = [parse_coefficients(args.coefficients)[min(k, len(parse_coefficients(args.coefficients)) - 1)]
+                for k in range(args.steps)]
+    gns = "both" if args.gns_both else "compiled" if args.gns_compile else "eager"
+    found = variants(schedule, args.coefficients, gns, args.quack_full)
+    if args.variants:
+        wanted = args.variants.split(",")
+        missing = [w for w in wanted if w not in found]
+        if missing:
+            print(f"variants not available: {missing}; available: {list(found)}")
+        found = {k: v for k, v in found.items() if k in wanted}
+    checks = check_kernels(dev) if args.check_kernels else None
+    if checks:
+        print(json.dumps({"checks": checks}), flush=True)
+    shares = {k: SHARES[k] for k in args.shares.split(",")}
+    os.makedirs(args.out, exist_ok=True)
+    rows = _measure(found, shares, schedule, args, dev)
+    summary, lines = _summarize(rows, shares, found)
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "coefficients": args.coefficients,
             "steps": args.steps, "reps": args.reps, "gram_restarts": args.gram_restarts or "default",
             "checks": checks}
