@@ -206,6 +206,7 @@ def dedicate_params(
 
     # ---------------- mutation ---------------- #
     state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
+    state.tp_mesh = v.tp_mesh
     for s in v.replicated:
         setattr(s.param, REPLICATED_ATTR, True)
     setattr(model, STATE_ATTR, state)
@@ -226,6 +227,8 @@ class _Validated(NamedTuple):
     plan: OwnerPlan
     #: params routed ``ADAMW_REPLICATED``
     replicated: list[_Selected]
+    #: the "tp" dimension of a ("dp", "tp") mesh ([Note: sharded NS])
+    tp_mesh: DeviceMesh | None
 
 
 def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, route: RouteFn | None,
@@ -233,10 +236,12 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
               hook_boundary_predicate: Callable[[nn.Module], bool] | None, hook_boundary_strict: bool,
               config: RuntimeConfig) -> _Validated:
     """Every local check of ``dedicate_params`` and the owner plan; changes nothing."""
-    mesh, replicate_mesh = _check_meshes(model, mesh, replicate_mesh)
-    _check_model(model)
+    mesh, replicate_mesh, tp_mesh = _check_meshes(model, mesh, replicate_mesh)
+    _check_model(model, tp_mesh)
     modules = dict(model.named_modules(remove_duplicate=False))
     selected, replicated = _select(modules, predicate, route, config.param_dtype)
+    for s in selected:
+        _check_tensor_parallel(s, tp_mesh, config)
     boundary_of = {
         s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
         for s in selected
@@ -244,16 +249,43 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
     specs = [ParamSpec(s.fqn, _plan_shape(s), boundary_of[s.fqn]) for s in selected]
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = assign_owners(specs, mesh.size() * replicas)
-    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, replicated)
+    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, replicated, tp_mesh)
 
 
 def _plan_shape(s: _Selected) -> tuple[int, int]:
     """The shape the owner plan weighs: a matrix's own; an ``ADAMW_OWNER`` param counts as one row of its
     elements (its NS cost is that of a 1 x n matrix, next to nothing, so the plan packs it with its
     boundary's matrices)."""
+    shape = _local_shape(s.param)
     if s.route is Route.MUON:
-        return int(s.param.shape[0]), int(s.param.shape[1])
-    return 1, int(s.param.numel())
+        return int(shape[0]), int(shape[1])
+    return 1, int(shape.numel())
+
+
+def _local_shape(p: torch.Tensor) -> torch.Size:
+    """What this rank's buckets hold of ``p``: its tensor-parallel shard, or all of it."""
+    return p._local_tensor.shape if isinstance(p, DTensor) else p.shape
+
+
+def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None, config: RuntimeConfig) -> None:
+    """A selected DTensor must be a Muon matrix split evenly by rows or columns over the "tp" mesh."""
+    from torch.distributed.tensor import Shard
+
+    p = s.param
+    if not isinstance(p, DTensor):
+        return
+    where = f"dmuon.dedicate_params: {s.fqn!r} is a DTensor"
+    if tp_mesh is None or p.device_mesh != tp_mesh:
+        raise ValueError(f"{where} on {p.device_mesh}; with tensor parallelism pass the 2-D mesh with dims "
+                         "('dp', 'tp') whose 'tp' dimension the weights are sharded over.")
+    if s.route is not Route.MUON or tuple(p.placements) not in ((Shard(0),), (Shard(1),)):
+        raise ValueError(f"{where} placed {tuple(p.placements)}; dmuon dedicates tensor-parallel Muon matrices "
+                         "sharded by rows (ColwiseParallel) or columns (RowwiseParallel).")
+    dim = p.placements[0].dim  # type: ignore[union-attr]
+    if p.shape[dim] % tp_mesh.size():
+        raise ValueError(f"{where} whose dim {dim} ({p.shape[dim]}) does not split evenly over {tp_mesh.size()} tp ranks.")
+    if config.param_dtype is not None:
+        raise ValueError(f"{where}: param_dtype with tensor parallelism is not supported yet.")
 
 
 def _agree(error: str | None, fingerprint: str | None) -> None:
@@ -276,7 +308,7 @@ def _agree(error: str | None, fingerprint: str | None) -> None:
 
 
 def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh | None
-                  ) -> tuple[DeviceMesh, DeviceMesh | None]:
+                  ) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
     """The (shard, replicate) meshes, or the error naming what is wrong with the arguments."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"dmuon.dedicate_params: model must be an nn.Module, got {type(model).__name__}")
@@ -286,6 +318,9 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         raise TypeError(f"dmuon.dedicate_params: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("replicate", "shard"):
         mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
+    tp_mesh = None
+    if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("dp", "tp"):
+        mesh, tp_mesh = mesh["dp"], mesh["tp"]  # tensor parallel: owners over "dp" ([Note: sharded NS])
     if mesh.ndim != 1:
         raise ValueError(
             f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']) or a 2-D "
@@ -296,7 +331,7 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
     if replicate_mesh is not None:
         _check_not_swapped(mesh, replicate_mesh)
-    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    replicas = (replicate_mesh.size() if replicate_mesh is not None else 1) * (tp_mesh.size() if tp_mesh else 1)
     if mesh.size() * replicas != dist.get_world_size():
         raise ValueError(
             f"dmuon.dedicate_params: the mesh has {mesh.size()} ranks"
@@ -304,7 +339,7 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
             + f" but the default process group has {dist.get_world_size()}; dmuon needs its data-parallel "
             "mesh (with replicate_mesh for HSDP) to cover every rank."
         )
-    return mesh, replicate_mesh
+    return mesh, replicate_mesh, tp_mesh
 
 
 def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
@@ -320,7 +355,7 @@ def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
         )
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     """Refuse a model dmuon already prepared, one ``fully_shard`` already sharded, or a ``torch.compile``
     wrapper (its hooks and names belong to the module inside)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -340,7 +375,8 @@ def _check_model(model: nn.Module) -> None:
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if sharded or any(isinstance(p, DTensor) for p in model.parameters()):
+    if sharded or any(isinstance(p, DTensor) and (tp_mesh is None or p.device_mesh != tp_mesh)
+                      for p in model.parameters()):
         raise ValueError(
             "dmuon.dedicate_params must run before fully_shard, but these modules are already FSDP2-sharded: "
             f"{sharded[:5]}{'...' if len(sharded) > 5 else ''}. Call dedicate_params first, then fully_shard."
@@ -444,9 +480,10 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     for s in selected:
         p = s.param
         owner = plan.owners[s.fqn]
-        dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(p.shape), p.dtype,
+        dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(_local_shape(p)), p.dtype,
                             config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank,
-                            route=s.route)
+                            route=s.route, tp_dim=p.placements[0].dim if isinstance(p, DTensor) else None,
+                            full_shape=torch.Size(p.shape))
         setattr(p, DEDICATED_ATTR, owner)
         dps_by_boundary.setdefault(boundary_of[s.fqn], []).append(dp)
     groups = [(modules[b], BoundaryGroup(b, dps, ctx, config)) for b, dps in dps_by_boundary.items()]

@@ -32,6 +32,12 @@ class Mode(enum.Enum):
 def prepare(model: nn.Module) -> DMuonState:
     """Drain dmuon and FSDP2 so every live tensor is in its resting place (sharded, grads reduced)."""
     state = get_state(model)
+    tp = [dp.fqn for dp in state.dedicated() if dp.tp_dim is not None]
+    if tp:
+        raise NotImplementedError(
+            f"dmuon: state dicts of tensor-parallel dedicated params ({tp[0]!r}, ...) are not supported yet "
+            "(issue 16: the full and DCP forms over tp are still to come). Nothing was read or changed."
+        )
     state.bind_if_needed()
     state.wait_all_reduces()
     state.wait_all_replicate_broadcasts()

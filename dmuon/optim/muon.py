@@ -31,12 +31,12 @@ from torch import Tensor
 from .._fsdp import cast_dtypes, fsdp_modules
 from ..runtime import comm as C
 from ..runtime.hooks import DMuonState, get_state, unwrap_ddp
-from ..runtime.param import DedicatedParam
+from ..runtime.param import DedicatedParam, local
 from ..runtime.precision import check_float_dtype, is_wider
 from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
-from .update import AdamWHParams, MuonHParams, muon_update_batch_
+from .update import AdamWHParams, MuonHParams, muon_update_batch_, muon_update_sharded_
 
 __all__ = ["Muon"]
 
@@ -339,7 +339,8 @@ class Muon(torch.optim.Optimizer):
     def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
         """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank.
         AdamW params (``adamw_owner`` ones too) have none: ``master_dtype`` is Muon's."""
-        if self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON:  # param_dtype: its own value is the master
+        if (self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON
+                or dp.tp_dim is not None):  # tensor-parallel shards: no masters yet  # param_dtype: its own value is the master
             return None
         return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
 
@@ -349,8 +350,11 @@ class Muon(torch.optim.Optimizer):
         return master if master is not None else dp.dtype
 
     def _update_target(self, dp: DedicatedParam) -> Tensor:
-        """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param."""
+        """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param
+        (a tensor-parallel param's local shard)."""
         p = dp.bound()
+        if dp.tp_dim is not None:
+            return local(p)  # type: ignore[return-value]
         if dp.master is not None:
             dp.refresh_master()
             return dp.master
@@ -390,7 +394,7 @@ class Muon(torch.optim.Optimizer):
             p = dp.bound()
             if dp.route is Route.MUON and "momentum_buffer" not in self.state[p]:
                 self._update_target(dp)  # creates a master_dtype master from the param, as a first step does
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=self.update_dtype(dp),
+                self.state[p]["momentum_buffer"] = torch.zeros_like(local(p), dtype=self.update_dtype(dp),
                                                                     memory_format=torch.preserve_format)
         for g in self.param_groups:
             if g["kind"] == "muon":
@@ -504,10 +508,17 @@ class Muon(torch.optim.Optimizer):
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            by_shape.setdefault((tuple(p.shape), target.dtype, grad.dtype), []).append((p, target, grad))
-        for items in by_shape.values():
-            muon_update_batch_([t for _, t, _ in items], [g for _, _, g in items],
-                               [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
+            by_shape.setdefault((tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape),
+                                []).append((p, target, grad))
+        for (_, _, _, tp_dim, full_shape), items in by_shape.items():
+            args = ([t for _, t, _ in items], [g for _, _, g in items],
+                    [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
+            if tp_dim is None:
+                muon_update_batch_(*args)
+            else:  # tensor parallel: the full matrix's update from the shards ([Note: sharded NS])
+                state, group = self._dmuon_state, self._dmuon_state.tp_mesh.get_group()
+                muon_update_sharded_(*args, full_shape=full_shape, sharded_dim=tp_dim,
+                                     all_reduce=lambda t: C.tp_gram_all_reduce(state.ctx, t, group))
             for p, target, _ in items:
-                if target is not p:
+                if target is not local(p):  # a master (a tensor-parallel shard is updated in place)
                     owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts

@@ -46,6 +46,8 @@ class CommKind(enum.Enum):
     REPLICATED_GRAD_ALL_REDUCE = "replicated_grad_all_reduce"
     #: Tensors moved by the state-dict functions (gathering to or scattering from full tensors).
     CHECKPOINT = "checkpoint"
+    #: Tensor parallelism: the Gram matrices of a matrix's shards, summed over "tp" in ``step()``.
+    TP_GRAM = "tp_gram"
 
 
 @dataclass
@@ -177,6 +179,16 @@ class CommContext:
         r_idx = next(i for i, rr in enumerate(grid) if me in rr)
         s_idx = grid[r_idx].index(me)
         groups: dict[Dim, dist.ProcessGroup | None] = {}
+        if replicate_mesh is None and len(row) < dist.get_world_size():
+            # tensor parallel: one data-parallel row per tp index; every rank creates every row, in order
+            views = [None] * dist.get_world_size()
+            dist.all_gather_object(views, row)
+            for ranks in sorted(set(views)):  # type: ignore[arg-type]
+                g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+                if ranks == row:
+                    groups[Dim.SHARD] = groups[Dim.WORLD] = g
+            groups[Dim.REPLICATE] = None
+            return cls(grid, r_idx, s_idx, groups, _mesh_device(shard_mesh), counter)
         # new_group is collective over the default group: every rank creates every row and column, in order
         for r, ranks in enumerate(grid):
             g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
@@ -297,6 +309,15 @@ def all_reduce_avg(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label
     with record_function(f"dmuon::all_reduce[{dim.value}] ({label})"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)
+
+
+def tp_gram_all_reduce(ctx: CommContext, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum the Gram matrices of tensor-parallel shards over the "tp" ``group``, in place ([Note: sharded
+    NS] in ``dmuon/optim/sharded_ns.py``); blocking, since Newton-Schulz needs the sum next."""
+    ctx.counter.record(CommKind.TP_GRAM, tensor, "tp")
+    with record_function("dmuon::all_reduce[tp] (gram)"):
+        dist.all_reduce(tensor, group=group)
+    return tensor
 
 
 def wait(pending: PendingComm) -> torch.Tensor:

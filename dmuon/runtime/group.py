@@ -62,7 +62,7 @@ from .comm import CommKind
 from .config import RuntimeConfig
 from .errors import raise_internal
 from .guard import INFO_ATTR, internal, set_held
-from .param import DedicatedParam
+from .param import DedicatedParam, local
 from .precision import is_wider
 
 __all__ = ["GroupState", "Bucket", "BoundaryGroup"]
@@ -221,7 +221,7 @@ class BoundaryGroup:
                     f"dmuon: dedicated param {dp.fqn} of boundary {self.fqn!r} now computes in {dp.compute_dtype}, "
                     f"but dedicate_params saw {dtype}; change dtypes before dedicate_params, not after."
                 )
-            value = p.detach()
+            value = local(p).detach()  # a tensor-parallel param: its shard (``dp.shape`` is the shard's)
             view = flat[off : off + dp.shape.numel()].view(dp.shape)
             if self.is_holder(b):
                 view.copy_(value)  # rounds to the compute dtype under param_dtype

@@ -93,6 +93,8 @@ class DMuonState:
         #: Trainable params neither dmuon nor FSDP2 manages; set by ``dmuon.Muon`` (its
         #: ``adamw_replicated`` group), whose gradients are averaged at the end of each backward.
         self.replicated_params: list[nn.Parameter] = []
+        #: The "tp" mesh of tensor-parallel dedicated params (``dedicate_params`` sets it), or ``None``.
+        self.tp_mesh: Any = None
         self.prefetcher = Prefetcher(config.prefetch)
         self._group_of = {dp: g for g in self.groups for dp in g.params}
         self._callback_queued = False

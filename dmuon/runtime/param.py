@@ -15,17 +15,30 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .errors import raise_internal
 from .precision import refresh_master_
 from .route import Route
 
-__all__ = ["DEDICATED_ATTR", "is_dedicated", "GradState", "DedicatedParam"]
+__all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "GradState", "DedicatedParam"]
 
 #: Attribute that marks a parameter as dedicated; its value is the owner's slot in dmuon's grid of ranks
 #: (the mesh rank on a 1-D mesh). FSDP2's patch (``dmuon/_patch.py``) skips every parameter carrying it.
 DEDICATED_ATTR = "_dedicated_owner_rank"
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor dmuon's buffers hold for ``t``: a tensor-parallel DTensor's local shard, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[union-attr]
+
+
+def _grad_for(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` (this rank's part) as a ``.grad`` of ``p``: a DTensor laid out like a DTensor ``p``."""
+    if not isinstance(p, DTensor):
+        return g
+    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def is_dedicated(param: torch.Tensor) -> bool:
@@ -74,6 +87,10 @@ class DedicatedParam:
     is_owner: bool = False
     #: ``Route.MUON`` or ``Route.ADAMW_OWNER``: which algorithm the owner runs on it.
     route: Route = Route.MUON
+    #: Tensor parallelism: the dimension of the full matrix split over "tp" (``shape`` is then this rank's
+    #: shard and :attr:`full_shape` the matrix's); ``None`` without TP.
+    tp_dim: int | None = None
+    full_shape: torch.Size | None = None
 
     # Runtime (written only by the methods below) #
     #: The parameter object currently bound to a bucket (``None`` until the first bind).
@@ -122,7 +139,7 @@ class DedicatedParam:
         """The owner's gradient wherever it lives (:attr:`main_grad` or ``param.grad``)."""
         if self.main_grad is not None:
             return self.main_grad
-        return None if self.param is None else self.param.grad
+        return None if self.param is None else local(self.param.grad)
 
     def _expect(self, op: str, *states: GradState) -> None:
         if self.grad_state not in states:
@@ -148,7 +165,10 @@ class DedicatedParam:
             h.remove()
         self.handles.clear()
         self.disarm_stash()
-        p.data = view
+        if isinstance(p, DTensor):  # tensor parallel: the local shard lives in the bucket (``.data`` would not alias)
+            p._local_tensor = view
+        else:
+            p.data = view
         setattr(p, DEDICATED_ATTR, self.owner)
         self.param = p
         self.master = master
@@ -183,7 +203,7 @@ class DedicatedParam:
             return
         p = self.bound()
         if p.grad is not None:
-            self.stashed_grad = p.grad
+            self.stashed_grad = local(p.grad)
             p.grad = None
         self.grad_state = GradState.EMPTY
 
@@ -193,7 +213,8 @@ class DedicatedParam:
         self._expect_local_source("no_sync accumulation", wide)
         p = self.bound()
         if wide is not None and p.grad is not None:
-            self.unsynced_grad = p.grad.to(wide) if self.unsynced_grad is None else self.unsynced_grad.add_(p.grad)
+            g = local(p.grad)
+            self.unsynced_grad = g.to(wide) if self.unsynced_grad is None else self.unsynced_grad.add_(g)  # type: ignore[union-attr]
             p.grad = None
         self.grad_state = GradState.UNSYNCED
 
@@ -202,13 +223,13 @@ class DedicatedParam:
         summed) goes to :attr:`local_grad` for the group's reduce; ``param.grad`` is cleared (-> READY)."""
         self._expect_local_source("hand-over to the reduce", wide)
         p = self.bound()
-        local = p.grad
+        mine = local(p.grad)
         if self.unsynced_grad is not None:
-            local = self.unsynced_grad if local is None else self.unsynced_grad.add_(local)
+            mine = self.unsynced_grad if mine is None else self.unsynced_grad.add_(mine)
             self.unsynced_grad = None
-        if local is None:
+        if mine is None:
             raise_internal(f"dedicated param {self.fqn!r}: post-accumulate hook ran without a gradient")
-        self.local_grad = local
+        self.local_grad = mine
         p.grad = None
         self.grad_state = GradState.READY
 
@@ -222,9 +243,9 @@ class DedicatedParam:
     def take_for_reduce(self) -> torch.Tensor:
         """The group issues the bucket's reduce with this local gradient (READY -> REDUCING)."""
         self._expect("reduce", GradState.READY)
-        local, self.local_grad = self.local_grad, None
+        mine, self.local_grad = self.local_grad, None
         self.grad_state = GradState.REDUCING
-        return local  # type: ignore[return-value]
+        return mine  # type: ignore[return-value]
 
     def deliver(self, g: torch.Tensor, wide: torch.dtype | None) -> bool:
         """Owner: the averaged gradient ``g`` arrived (REDUCING -> REDUCED). Added to what this step
@@ -239,7 +260,7 @@ class DedicatedParam:
             if self.stashed_grad is not None:
                 g = self.stashed_grad.add_(g)
                 self.stashed_grad = None
-            p.grad = g
+            p.grad = _grad_for(p, g)
         self.grad_state = GradState.REDUCED
         return wide is None
 
