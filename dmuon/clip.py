@@ -75,24 +75,30 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
     grads: list[torch.Tensor] = []  # local tensors to scale
     acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     main_grads = {id(dp.param): dp.main_grad for dp in state.dedicated() if dp.main_grad is not None}
+    # tensor parallel: dmuon's ranks are one dp row per tp index; a tensor-parallel shard counts on its
+    # own tp rank, everything else (the same on every tp index) on tp index 0, summed over every rank
+    tp_first = state.tp_mesh is None or state.tp_mesh.get_local_rank() == 0
+    tp_shards = {id(dp.param) for dp in state.dedicated() if dp.tp_dim is not None}
     for p in params:
         g = main_grads.get(id(p), p.grad)
         if not p.requires_grad or g is None:
             continue
-        if isinstance(g, DTensor):
-            local, counts = g.to_local(), _counts_here(g)
-        elif is_dedicated(p):
-            local, counts = g, True  # only the owner holds one
+        if is_dedicated(p):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            counts = id(p) in tp_shards or tp_first  # only the owner holds one
+        elif isinstance(g, DTensor):
+            local, counts = g.to_local(), _counts_here(g) and tp_first
         else:
-            local, counts = g, ctx.rank == 0
+            local, counts = g, ctx.rank == 0 and tp_first
         grads.append(local)
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
-    if inf:
-        total = C.all_reduce_max(ctx, acc)  # NaN-propagating across ranks, whatever the backend's MAX does
+    every = state.tp_mesh is not None
+    if inf:  # NaN-propagating across ranks, whatever the backend's MAX does
+        total = C.all_reduce_max(ctx, acc, every_rank=every)
     else:
-        total = C.all_reduce_sum(ctx, acc) ** (1.0 / norm_type)
+        total = C.all_reduce_sum(ctx, acc, every_rank=every) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

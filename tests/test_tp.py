@@ -1,4 +1,4 @@
-"""Tensor parallel x dmuon (issue 16, first runtime part): 4 gloo ranks as dp=2 x tp=2.
+"""Tensor parallel x dmuon (issue 16, first runtime part): 4 gloo ranks as dp=2 x tp=2, clipped every step.
 
 Each block's MLP is split with torch's own ``ColwiseParallel`` (``w1``, rows) / ``RowwiseParallel`` (``w2``,
 columns) over "tp"; dmuon owns each matrix over "dp" (every tp rank of the owner's dp slot keeps its shard);
@@ -24,6 +24,7 @@ from tests._dist import rank_threads, run_distributed
 
 VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 96, 2, 16, 8
 STEPS, DP, TP = 10, 2, 2
+MAX_NORM = 0.5  # below the gradient norm of every step here: clipping acts in each
 LR, WD, ADAMW_LR = 0.02, 0.01, 1e-3
 KJ = (3.4445, -4.7750, 2.0315)
 
@@ -76,16 +77,17 @@ def oracle() -> dict:
     opt_m = torch.optim.Muon([p for n, p in named.items() if _is_matrix(n, p)], lr=LR, weight_decay=WD,
                              ns_coefficients=KJ)
     opt_a = torch.optim.AdamW([p for n, p in named.items() if not _is_matrix(n, p)], lr=ADAMW_LR)
-    losses = []
+    losses, norms = [], []
     for tok, tgt in _batches():
         for o in (opt_m, opt_a):
             o.zero_grad()
         loss = model(tok, tgt)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         for o in (opt_m, opt_a):
             o.step()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
@@ -129,18 +131,19 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
         real = muon_module.muon_update_sharded_
         muon_module.muon_update_sharded_ = lambda *a, **kw: real(*a, **{**kw, "all_reduce": lambda t: t})
     dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
-    losses = []
+    losses, norms = [], []
     dmuon.diagnostics.reset_comm_counts(model)
     for tok, tgt in _batches():
         opt.zero_grad()
         loss = model(tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per])
         loss.backward()
+        norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())
         opt.step()
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
     counts = dmuon.diagnostics.comm_counts(model)
-    return {"losses": losses, "weights": _full_weights(model, mesh["dp"].get_group()), "counts": counts,
+    return {"losses": losses, "norms": norms, "weights": _full_weights(model, mesh["dp"].get_group()), "counts": counts,
             "owned": sorted(dmuon.get_owned_params(model))}
 
 
@@ -157,6 +160,10 @@ def runs() -> list[dict]:
 def test_tp_matches_the_single_process_oracle(runs):
     ref = oracle()
     assert_close_to(runs[0]["z3"], ref, "dp=2 x tp=2, Z3")
+    # the clip norm is the whole model's: dedicated TP shards summed over tp, FSDP2 / plain ones once
+    assert ref["norms"][0] > MAX_NORM
+    for got, want in zip(runs[0]["z3"]["norms"], ref["norms"]):
+        assert abs(got - want) <= 1e-4 * want, (runs[0]["z3"]["norms"], ref["norms"])
     # the matrices moved far beyond the parity bound (random tokens: the loss itself has little to learn)
     init = _net().state_dict()
     for name in ("layers.0.w1.weight", "layers.1.w2.weight"):

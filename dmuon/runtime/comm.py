@@ -327,23 +327,26 @@ def wait(pending: PendingComm) -> torch.Tensor:
     return pending.tensor
 
 
-def all_reduce_sum(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor of a few elements over every rank and wait (a NaN or inf carries through, as in any
-    addition). Not counted: a few bytes (the clip norm)."""
-    if ctx.world_size > 1:
+def all_reduce_sum(ctx: CommContext, value: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
+    """Sum a tensor of a few elements over dmuon's ranks (``every_rank``: the default group's, which under
+    tensor parallelism spans every tp index) and wait (a NaN or inf carries through, as in any addition).
+    Not counted: a few bytes (the clip norm)."""
+    if every_rank:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    elif ctx.world_size > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=ctx.groups[Dim.WORLD])
     return value
 
 
-def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
-    """The elementwise maximum of a few-element tensor over every rank, NaN-propagating like
-    ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so whether any rank had one travels
-    as a flag beside the values. Returns a new tensor; not counted."""
-    if ctx.world_size == 1:
+def all_reduce_max(ctx: CommContext, value: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
+    """The elementwise maximum of a few-element tensor over dmuon's ranks (``every_rank``: the default
+    group's), NaN-propagating like ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so
+    whether any rank had one travels as a flag beside the values. Returns a new tensor; not counted."""
+    if ctx.world_size == 1 and not every_rank:
         return value
     packed = torch.cat([torch.nan_to_num(value, nan=-math.inf, posinf=math.inf, neginf=-math.inf).reshape(-1),
                         torch.isnan(value).reshape(-1).to(value.dtype)])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.groups[Dim.WORLD])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=None if every_rank else ctx.groups[Dim.WORLD])
     n = value.numel()
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
 
