@@ -70,3 +70,11 @@ def test_param_groups_recipe_runs_under_torchrun() -> None:
     groups = dict(re.findall(r"^group (\w+)\s+(adamw|muon)\s", proc.stdout, flags=re.MULTILINE))
     assert groups == {"no_decay": "adamw", "embed_head": "adamw", "mlp": "muon", "default_muon": "muon",
                       "default_adamw": "adamw"}, proc.stdout
+
+
+def test_tp_recipe_runs_under_torchrun() -> None:
+    """dp=1 x tp=2 on two ranks (tests/test_tp.py covers dp=2 x tp=2 against the oracle)."""
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/tp_dmuon.py"])
+    match = re.search(r"tp_dmuon: OK dp=1 x tp=2, loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
+    assert match, proc.stdout
+    assert float(match.group(2)) < float(match.group(1))
