@@ -114,7 +114,9 @@ def dedicate_params(
         model: the root module (the one you later pass to :class:`dmuon.Muon`).
         mesh: 1-D data-parallel ``DeviceMesh`` spanning every rank (e.g. ``mesh["dp"]``); or, for HSDP,
             the shard dimension (``hsdp["shard"]``) with ``replicate_mesh``, or one 2-D mesh whose dims
-            are named ``("replicate", "shard")``.
+            are named ``("replicate", "shard")``; or, with tensor parallelism, the 2-D mesh with dims
+            ``("dp", "tp")`` whose "tp" dimension ``ColwiseParallel`` / ``RowwiseParallel`` split the
+            selected weights over (owners over "dp"; see the README's "Tensor parallelism").
         replicate_mesh: HSDP's replicate dimension (``hsdp["replicate"]``). Each dedicated tensor then
             has one owner over all replicate x shard ranks; the ranks of its shard column keep a copy,
             gradients reduce over the shard group then the replicate group, and ``Muon.step()``
@@ -323,9 +325,10 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         mesh, tp_mesh = mesh["dp"], mesh["tp"]  # tensor parallel: owners over "dp" ([Note: sharded NS])
     if mesh.ndim != 1:
         raise ValueError(
-            f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']) or a 2-D "
-            f"HSDP mesh with dims named ('replicate', 'shard'); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-            f"with dims {mesh.mesh_dim_names}."
+            f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']), a 2-D "
+            f"HSDP mesh with dims named ('replicate', 'shard'), or a 2-D tensor-parallel mesh with dims ('dp', "
+            f"'tp'); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} with dims {mesh.mesh_dim_names} (HSDP with "
+            "tensor parallelism is not supported yet)."
         )
     if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
@@ -375,8 +378,14 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if sharded or any(isinstance(p, DTensor) and (tp_mesh is None or p.device_mesh != tp_mesh)
-                      for p in model.parameters()):
+    foreign = [(n, p.device_mesh) for n, p in model.named_parameters()
+               if isinstance(p, DTensor) and p.device_mesh != tp_mesh]
+    if foreign and not sharded:
+        raise ValueError(
+            f"dmuon.dedicate_params: {foreign[0][0]!r} is a DTensor on {foreign[0][1]} (tensor parallel?); pass "
+            "the 2-D mesh with dims ('dp', 'tp') whose 'tp' dimension it is split over. Nothing was changed."
+        )
+    if sharded or foreign:
         raise ValueError(
             "dmuon.dedicate_params must run before fully_shard, but these modules are already FSDP2-sharded: "
             f"{sharded[:5]}{'...' if len(sharded) > 5 else ''}. Call dedicate_params first, then fully_shard."

@@ -188,3 +188,25 @@ def test_one_gram_all_reduce_per_matrix_and_step(runs):
     for res in runs:
         tp = res["z3"]["counts"]["tp_gram"]
         assert tp["elements"] == STEPS * len(res["z3"]["owned"]) * DIM * DIM, (res["z3"]["owned"], tp)
+
+
+def tp_misuse_job(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for case, kwargs in {"one_d_mesh": {"mesh": init_device_mesh("cpu", (world,))},
+                         "param_dtype": {"mesh": mesh, "param_dtype": torch.bfloat16}}.items():
+        model = _net()
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        try:
+            dmuon.dedicate_params(model, predicate=_is_matrix, **kwargs)
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_tp_weights_need_the_dp_tp_mesh_and_no_param_dtype():
+    for res in run_distributed(tp_misuse_job, 2):
+        assert "is a DTensor" in res["one_d_mesh"] and "('dp', 'tp')" in res["one_d_mesh"], res
+        assert "param_dtype with tensor parallelism is not supported yet" in res["param_dtype"], res
