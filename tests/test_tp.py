@@ -9,6 +9,8 @@ Muon orthogonalises each shard by itself (the design the issue rules out) must m
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,7 +116,7 @@ def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, to
     return out
 
 
-def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False) -> dict:
+def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False, accum: int = 1) -> dict:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     model = _net()
     for layer in model.layers:
@@ -135,8 +137,14 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
     dmuon.diagnostics.reset_comm_counts(model)
     for tok, tgt in _batches():
         opt.zero_grad()
-        loss = model(tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per])
-        loss.backward()
+        tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
+        m = per // accum
+        loss = torch.zeros(())
+        for i in range(accum):  # micro-batches 1..accum-1 under dmuon.no_sync, the last one reduces
+            with dmuon.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
+                part = model(tok[i * m:(i + 1) * m], tgt[i * m:(i + 1) * m]) / accum
+                part.backward()
+            loss = loss + part.detach()
         norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())
         opt.step()
         logged = loss.detach().clone()
@@ -148,8 +156,15 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
 
 
 def tp_jobs(rank: int, world: int) -> dict:
-    return {"z3": tp_job(rank, world), "z2": tp_job(rank, world, z3=False),
-            "per_shard": tp_job(rank, world, per_shard_ns=True)}
+    import dmuon.optim.muon as muon_module
+
+    out = {"z3": tp_job(rank, world), "z2": tp_job(rank, world, z3=False), "accum": tp_job(rank, world, accum=2)}
+    real = muon_module.muon_update_sharded_
+    try:
+        out["per_shard"] = tp_job(rank, world, per_shard_ns=True)
+    finally:
+        muon_module.muon_update_sharded_ = real  # the wrong variant's patch must not outlive its run
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +183,11 @@ def test_tp_matches_the_single_process_oracle(runs):
     init = _net().state_dict()
     for name in ("layers.0.w1.weight", "layers.1.w2.weight"):
         assert rel_err(runs[0]["z3"]["weights"][name], init[name]) > 10 * WEIGHT_RTOL, name
+
+
+def test_no_sync_accumulation_matches_the_oracle(runs):
+    """Two micro-batches per step, the first under dmuon.no_sync: each TP shard's gradient is reduced once."""
+    assert_close_to(runs[0]["accum"], oracle(), "dp=2 x tp=2, 2 micro-batches")
 
 
 def test_per_shard_orthogonalisation_misses_the_oracle(runs):
