@@ -184,13 +184,27 @@ def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
     return _graphs.run(ns, update, (hp.ns_steps, repr(hp.ns_coefficients), hp.eps, hp.ns_backend))
 
 
-def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams) -> None:
+def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, shape: Sequence[int] | None = None) -> None:
     """Decoupled decay then the scaled step, as ``torch.optim.Muon``. A decay factor of exactly 1 is
-    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off."""
+    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off. ``shape``:
+    the full matrix's, where ``param`` is a tensor-parallel shard of it (the lr scales with the matrix)."""
     if hp.lr * hp.weight_decay != 0.0:
         param.mul_(1 - hp.lr * hp.weight_decay)
     # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
-    param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, param.shape))
+    param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, param.shape if shape is None else shape))
+
+
+def _stacked_updates(grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor], hp: MuonHParams) -> Tensor:
+    """Advance each momentum and write the (Nesterov) updates straight into one stacked buffer (no
+    separate stack copy): the input of one batched Newton-Schulz call."""
+    updates = torch.empty((len(grads), *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
+    for g, buf, u in zip(grads, momentum_buffers, updates.unbind(0)):
+        buf.lerp_(g, 1 - hp.momentum)
+        if hp.nesterov:
+            torch.lerp(g, buf, hp.momentum, out=u)
+        else:
+            u.copy_(buf)
+    return updates
 
 
 def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
@@ -206,15 +220,7 @@ def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], moment
     if len(params) == 1:
         muon_update_(params[0], grads[0], momentum_buffers[0], hp)
         return
-    # the (Nesterov) updates go straight into one stacked buffer: no separate stack copy
-    updates = torch.empty((len(params), *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
-    for g, buf, u in zip(grads, momentum_buffers, updates.unbind(0)):
-        buf.lerp_(g, 1 - hp.momentum)
-        if hp.nesterov:
-            torch.lerp(g, buf, hp.momentum, out=u)
-        else:
-            u.copy_(buf)
-    orthos = _orthogonalise(updates, hp)
+    orthos = _orthogonalise(_stacked_updates(grads, momentum_buffers, hp), hp)
     for p, o in zip(params, orthos.unbind(0)):
         _apply_update_(p, o, hp)
 
@@ -234,17 +240,8 @@ def muon_update_sharded_(params: Sequence[Tensor], grads: Sequence[Tensor], mome
         muon_update_sharded_([w_shard], [g_shard], [buf_shard], MuonHParams(), full_shape=(4096, 1024),
                              sharded_dim=0, all_reduce=lambda t: (dist.all_reduce(t, group=tp), t)[1])
     """
-    updates = torch.empty((len(params), *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
-    for g, buf, u in zip(grads, momentum_buffers, updates.unbind(0)):
-        buf.lerp_(g, 1 - hp.momentum)
-        if hp.nesterov:
-            torch.lerp(g, buf, hp.momentum, out=u)
-        else:
-            u.copy_(buf)
-    orthos = newton_schulz_sharded(updates, sharded_dim=sharded_dim, all_reduce=all_reduce, steps=hp.ns_steps,
-                                   coefficients=hp.ns_coefficients, eps=hp.eps, dtype=dtype)
-    lr = adjusted_lr(hp.lr, hp.adjust_lr_fn, full_shape)
+    orthos = newton_schulz_sharded(_stacked_updates(grads, momentum_buffers, hp), sharded_dim=sharded_dim,
+                                   all_reduce=all_reduce, steps=hp.ns_steps, coefficients=hp.ns_coefficients,
+                                   eps=hp.eps, dtype=dtype)
     for p, o in zip(params, orthos.unbind(0)):
-        if hp.lr * hp.weight_decay != 0.0:
-            p.mul_(1 - hp.lr * hp.weight_decay)
-        p.add_(o, alpha=-lr)
+        _apply_update_(p, o, hp, full_shape)
