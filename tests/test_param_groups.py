@@ -314,6 +314,8 @@ def _bad_cases(model, stale, rank: int) -> dict[str, object]:
         "no_params": [{"lr": 0.1}],
         "rank1_only": [{"params": ["norm.weight" if rank == 0 else "norm.wieght"]}],
         "ranks_differ": [{"params": [Q], "lr": 0.01 * (rank + 1)}],
+        # a gather entered by rank 0 only would leave rank 1 waiting: both must raise instead
+        "groups_on_rank0_only": [{"params": [Q], "lr": 0.01}] if rank == 0 else None,
     }
 
 
@@ -397,6 +399,7 @@ def test_a_group_list_bad_on_one_rank_or_different_between_ranks_raises_everywhe
     assert "param_groups refused on rank 1" in misuse[0]["errors"]["rank1_only"]
     for res in misuse:
         assert "resolved param_groups differently" in res["errors"]["ranks_differ"]
+        assert "resolved param_groups differently" in res["errors"]["groups_on_rank0_only"]
 
 
 def test_nothing_changed_and_a_good_optimizer_still_builds(misuse):

@@ -253,8 +253,10 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------------ #
     def _resolve(self, model: nn.Module, state: DMuonState, specs: Sequence[Mapping[str, Any]] | None, *,
                  taken: Sequence[str], first_index: int, with_defaults: bool) -> list[ResolvedGroup]:
-        """Resolve user groups; with user groups, every rank compares its answer (or its error) with the
-        others', so a group list that differs between ranks, or fails on one, raises on all of them."""
+        """Resolve user groups (and the defaults); every rank compares its answer (or its error) with the
+        others', so a group list or a setting that differs between ranks, or fails on one, raises on all
+        of them. Unconditional: whether a rank passed ``param_groups`` is one of the things that may differ,
+        and a gather that only some ranks entered would hang the others."""
         error: BaseException | None = None
         resolved: list[ResolvedGroup] = []
         try:
@@ -262,12 +264,8 @@ class Muon(torch.optim.Optimizer):
                                       owner_adamw=_names(state, Route.ADAMW_OWNER),
                                       muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - any local failure must reach the gather, or the peers wait in it
             error = e
-        if specs is None:
-            if error is not None:
-                raise error
-            return resolved
         views = C.all_gather_object(state.ctx, (None if error is None else f"{type(error).__name__}: {error}",
                                                 repr(resolved)))
         if error is not None:
@@ -276,8 +274,8 @@ class Muon(torch.optim.Optimizer):
             if err is not None:
                 raise ValueError(f"dmuon.Muon: param_groups refused on rank {rank}: {err}")
             if fingerprint != views[0][1]:
-                raise ValueError(f"dmuon.Muon: ranks 0 and {rank} resolved param_groups differently; pass the "
-                                 "same groups on every rank")
+                raise ValueError(f"dmuon.Muon: ranks 0 and {rank} resolved param_groups differently (the groups or "
+                                 "the constructor's settings); pass the same on every rank")
         return resolved
 
     def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]
@@ -339,8 +337,9 @@ class Muon(torch.optim.Optimizer):
     def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
         """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank.
         AdamW params (``adamw_owner`` ones too) have none: ``master_dtype`` is Muon's."""
+        # param_dtype: its own value is the master; tensor-parallel shards: no masters yet
         if (self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON
-                or dp.tp_dim is not None):  # tensor-parallel shards: no masters yet  # param_dtype: its own value is the master
+                or dp.tp_dim is not None):
             return None
         return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
 
