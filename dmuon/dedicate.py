@@ -27,7 +27,7 @@ from .runtime import comm as C
 from .runtime.config import RuntimeConfig
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
-from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated
+from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local
 from .runtime.precision import is_wider
 from .runtime.route import REPLICATED_ATTR, Route
 
@@ -258,15 +258,10 @@ def _plan_shape(s: _Selected) -> tuple[int, int]:
     """The shape the owner plan weighs: a matrix's own; an ``ADAMW_OWNER`` param counts as one row of its
     elements (its NS cost is that of a 1 x n matrix, next to nothing, so the plan packs it with its
     boundary's matrices)."""
-    shape = _local_shape(s.param)
+    shape = local(s.param).shape
     if s.route is Route.MUON:
         return int(shape[0]), int(shape[1])
     return 1, int(shape.numel())
-
-
-def _local_shape(p: torch.Tensor) -> torch.Size:
-    """What this rank's buckets hold of ``p``: its tensor-parallel shard, or all of it."""
-    return p._local_tensor.shape if isinstance(p, DTensor) else p.shape
 
 
 def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None, config: RuntimeConfig) -> None:
@@ -489,7 +484,7 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     for s in selected:
         p = s.param
         owner = plan.owners[s.fqn]
-        dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(_local_shape(p)), p.dtype,
+        dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(local(p).shape), p.dtype,
                             config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank,
                             route=s.route, tp_dim=p.placements[0].dim if isinstance(p, DTensor) else None,
                             full_shape=torch.Size(p.shape))
