@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,13 +67,21 @@ def add_unused_proj(model: TinyLlama) -> None:
 
 @rank_threads()  # its bits must be the ranks' (test_lifecycle compares a 1-rank run exactly)
 def train_oracle(steps: int, hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP,
-                 extra_unused: bool = False) -> dict:
-    """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest."""
+                 extra_unused: bool = False, *, adapt: Callable[[TinyLlama], None] | None = None,
+                 no_decay: Callable[[str, torch.Tensor], bool] | None = None) -> dict:
+    """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest. ``adapt``
+    changes the built model first (the same change the ranks make); the AdamW params ``no_decay`` selects
+    get their own group with weight decay 0."""
     torch.manual_seed(0)
     dev = device()
     model = build_model(extra_unused=extra_unused).to(dev)
+    if adapt is not None:
+        adapt(model)
     muon_params = [p for n, p in model.named_parameters() if projection_predicate(n, p)]
-    other = [p for n, p in model.named_parameters() if not projection_predicate(n, p)]
+    rest = [(n, p) for n, p in model.named_parameters() if not projection_predicate(n, p)]
+    other: list = [p for n, p in rest if no_decay is None or not no_decay(n, p)]
+    if no_decay is not None:
+        other = [{"params": other}, {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
     opt_m = torch.optim.Muon(
         muon_params, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
         ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value,

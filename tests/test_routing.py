@@ -26,8 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dmuon
 from dmuon.tools.models import projection_predicate
 from tests._asserts import assert_bitwise, assert_close_to
-from tests._dist import DEVICE_TYPE, device, rank_threads, run_distributed
-from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, build_model, full_weights, muon_kwargs
+from tests._dist import DEVICE_TYPE, device, run_distributed
+from tests._training import GLOBAL_BATCH, batches, build_model, full_weights, muon_kwargs, train_oracle
 
 STEPS, RESTART_AT = 8, 4
 VARIANTS = ("default", "adamw_owner", "adamw_replicated")
@@ -139,31 +139,9 @@ def routing_job(rank: int, world: int) -> dict:
     return out
 
 
-@rank_threads()
 def oracle_norms_without_decay() -> dict:
     """One process: torch.optim.Muon on the projections, AdamW on the rest with no decay on the layer norms."""
-    torch.manual_seed(0)
-    model = build_model().to(device())
-    named = dict(model.named_parameters())
-    hp = MUON_HP
-    opt_m = torch.optim.Muon([p for n, p in named.items() if projection_predicate(n, p)], lr=hp.lr,
-                             weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
-                             ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps,
-                             adjust_lr_fn=hp.adjust_lr_fn.value)
-    opt_a = torch.optim.AdamW([
-        {"params": [p for n, p in named.items() if _layer_norm(n, p)], "weight_decay": 0.0},
-        {"params": [p for n, p in named.items() if not projection_predicate(n, p) and not _layer_norm(n, p)]},
-    ], **ADAMW_HP.group_entries())
-    losses = []
-    for tok, tgt in batches(STEPS):
-        for o in (opt_m, opt_a):
-            o.zero_grad()
-        loss = model(tok.to(device()), tgt.to(device())).loss
-        loss.backward()
-        for o in (opt_m, opt_a):
-            o.step()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return train_oracle(STEPS, no_decay=_layer_norm)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -302,29 +280,8 @@ def _float64_mlps(model) -> None:
         layer.mlp.forward = (lambda f: lambda x: f(x.double()).float())(layer.mlp.forward)
 
 
-@rank_threads()
 def oracle_float64_mlps() -> dict:
-    torch.manual_seed(0)
-    model = build_model().to(device())
-    _float64_mlps(model)
-    named = dict(model.named_parameters())
-    hp = MUON_HP
-    opt_m = torch.optim.Muon([p for n, p in named.items() if projection_predicate(n, p)], lr=hp.lr,
-                             weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
-                             ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps,
-                             adjust_lr_fn=hp.adjust_lr_fn.value)
-    opt_a = torch.optim.AdamW([p for n, p in named.items() if not projection_predicate(n, p)],
-                              **ADAMW_HP.group_entries())
-    losses = []
-    for tok, tgt in batches(STEPS):
-        for o in (opt_m, opt_a):
-            o.zero_grad()
-        loss = model(tok.to(device()), tgt.to(device())).loss
-        loss.backward()
-        for o in (opt_m, opt_a):
-            o.step()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return train_oracle(STEPS, adapt=_float64_mlps)
 
 
 def mixed_dtype_job(rank: int, world: int) -> dict:
