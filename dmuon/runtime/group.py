@@ -157,8 +157,8 @@ class BoundaryGroup:
         for dp in self.params:
             by_key.setdefault((dp.owner % S, str(dp.compute_dtype)), []).append(dp)
         self.buckets = []
-        for column, _ in sorted(by_key):
-            dps = sorted(by_key[column, _], key=lambda dp: dp.owner // S)  # stable: plan order within a row
+        for column, dtype_name in sorted(by_key):
+            dps = sorted(by_key[column, dtype_name], key=lambda dp: dp.owner // S)  # stable: plan order in a row
             offsets, total = [], 0
             for dp in dps:
                 offsets.append(total)
