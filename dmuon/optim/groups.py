@@ -71,10 +71,9 @@ class _Model:
         self.by_name: dict[str, nn.Parameter] = {}
         self.name_of: dict[int, str] = {}
         for raw, p in model.named_parameters(remove_duplicate=False):
-            name = self.name_of.setdefault(id(p), canonical_name(raw))  # tied: the first name
+            self.name_of.setdefault(id(p), canonical_name(raw))  # tied: the first name
             self.by_name[raw] = p
             self.by_name[canonical_name(raw)] = p
-            self.by_name.setdefault(name, p)
         self.order = {name: i for i, name in enumerate(dict.fromkeys(self.name_of.values()))}
         #: dedicated for Muon, and dedicated for AdamW on the owner (``Route.ADAMW_OWNER``)
         self.dedicated, self.owner_adamw = set(dedicated), set(owner_adamw)
