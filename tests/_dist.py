@@ -62,7 +62,10 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any]
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            # a FileStore in the job's own directory, not a TCP port: two suites (or a suite and a helper's run)
+            # on one machine cannot collide on a port picked by free_port() and bound later
+            store = f"file://{os.path.join(outdir, 'store')}"
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         del result
