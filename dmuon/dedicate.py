@@ -102,6 +102,7 @@ def dedicate_params(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     route: RouteFn | None = None,
+    verbose: bool = True,
 ) -> OwnerPlan:
     """Give every selected 2-D weight one owner rank; call once per model, before ``fully_shard``.
 
@@ -173,9 +174,13 @@ def dedicate_params(
                 dmuon.dedicate_params(model, mesh, predicate, route=route)
                 fully_shard(model, mesh=mesh)  # the layers hold no FSDP2 params any more
 
+        verbose: ``True`` (default) prints the plan's one-line summary on rank 0 (``dmuon: 84 dedicated
+            params over 8 ranks ...``), so a new user sees what was dedicated without configuring logging;
+            ``False`` sends it to the ``"dmuon"`` logger at INFO instead.
+
     Returns:
         The :class:`~dmuon.partition.OwnerPlan`: owner per param, per-rank params/elements/NS cost and
-        the imbalance (max/mean NS cost). One summary line is logged on rank 0 (logger ``"dmuon"``).
+        the imbalance (max/mean NS cost).
 
     Example::
 
@@ -214,7 +219,10 @@ def dedicate_params(
     setattr(model, STATE_ATTR, state)
     activate_installed_glue()
     if dist.get_rank() == 0:
-        logger.info(plan.summary_line())
+        if verbose:
+            print(f"dmuon: {plan.summary_line()}", flush=True)
+        else:
+            logger.info(plan.summary_line())
     return plan
 
 
