@@ -220,7 +220,7 @@ def dedicate_params(
     activate_installed_glue()
     if dist.get_rank() == 0:
         if verbose:
-            print(f"dmuon: {plan.summary_line()}", flush=True)
+            print(plan.summary_line(), flush=True)
         else:
             logger.info(plan.summary_line())
     return plan
