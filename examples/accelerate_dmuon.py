@@ -19,20 +19,29 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
-from accelerate import Accelerator
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+
+try:
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as e:  # an extra this example needs; say which, not just ModuleNotFoundError
+    sys.exit(f"accelerate_dmuon: needs the [hf] extra (transformers, accelerate, safetensors): "
+             f"pip install -e \".[hf]\" (missing: {e.name})")
 
 try:
     import dmuon
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 import dmuon.integrations.hf  # noqa: F401  (Trainer / Accelerate glue for dmuon models)
 
 VOCAB = 64
@@ -67,11 +76,17 @@ class MarkovTokens(Dataset):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--output_dir", default="./accelerate_dmuon_out")
+    parser.add_argument("--output_dir", default=None,
+                        help="where save_model writes the weights (default: a temporary folder, removed at the end)")
     cli = parser.parse_args()
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=ACCUM)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    # Every rank must name the same folder: the main process picks the temporary one and tells the others.
+    holder = [cli.output_dir or (tempfile.mkdtemp(prefix="accelerate_dmuon_") if accelerator.is_main_process
+                                 else None)]
+    dist.broadcast_object_list(holder, src=0)
+    output_dir = holder[0]
 
     torch.manual_seed(0)  # same init on every rank
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -111,14 +126,14 @@ def main() -> int:
         accelerator.print(f"epoch {epoch + 1}/{EPOCHS}  loss {epoch_loss:.4f}  grad norm {float(norm):.4f}  "
                           f"lr muon {optimizer.param_groups[0]['lr']:.5f} adamw {optimizer.param_groups[1]['lr']:.6f}")
 
-    accelerator.save_model(model, cli.output_dir)  # weights gathered on every rank, written by the main process
+    accelerator.save_model(model, output_dir)  # weights gathered on every rank, written by the main process
     accelerator.wait_for_everyone()
     trained = dmuon.get_model_state_dict(model, rank0_only=True)  # collective
     ok = losses[-1] < losses[0]
     if accelerator.is_main_process:
         import safetensors.torch
 
-        saved = safetensors.torch.load_file(os.path.join(cli.output_dir, "model.safetensors"))
+        saved = safetensors.torch.load_file(os.path.join(output_dir, "model.safetensors"))
         same = saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in trained)
         ok = ok and same
         print(f"saved weights match the trained model: {same}", flush=True)
@@ -126,6 +141,8 @@ def main() -> int:
         print(f"accelerate_dmuon: {verdict} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     flag = torch.tensor([1.0 if ok else 0.0], device=accelerator.device)
     ok_everywhere = accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes
+    if accelerator.is_main_process and cli.output_dir is None:  # every rank is past the reduce: nobody reads it
+        shutil.rmtree(output_dir, ignore_errors=True)
     # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
     del model, optimizer
     gc.collect()
@@ -134,4 +151,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

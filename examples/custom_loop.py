@@ -27,6 +27,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 from dmuon.tools.models import CausalLMOutput, TinyLlama, TinyLlamaConfig
 
 STEPS = 10
@@ -132,4 +133,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

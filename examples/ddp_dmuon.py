@@ -28,6 +28,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 from custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E402 - this folder's example
 
 ACCUM = 2  # micro-batches per step: all but the last under dmuon.no_sync
@@ -81,4 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

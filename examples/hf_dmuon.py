@@ -18,13 +18,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+try:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+except ImportError as e:  # an extra this example needs; say which, not just ModuleNotFoundError
+    sys.exit(f"hf_dmuon: needs the [hf] extra (transformers, accelerate, safetensors): "
+             f"pip install -e \".[hf]\" (missing: {e.name})")
 
 try:
     import dmuon
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -103,4 +109,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

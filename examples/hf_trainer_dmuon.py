@@ -24,27 +24,35 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+
+try:
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+except ImportError as e:  # an extra this example needs; say which, not just ModuleNotFoundError
+    sys.exit(f"hf_trainer_dmuon: needs the [hf] extra (transformers, accelerate, safetensors): "
+             f"pip install -e \".[hf]\" (missing: {e.name})")
 
 try:
     import dmuon
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 
 VOCAB = 64
 SEQ_LEN = 32
@@ -87,7 +95,8 @@ class LossLog(TrainerCallback):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--output_dir", default="./hf_trainer_dmuon_out")
+    parser.add_argument("--output_dir", default=None,
+                        help="where Trainer writes its checkpoint (default: a temporary folder, removed at the end)")
     cli = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -97,6 +106,10 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world_size,))
+    # Every rank must write to the same folder: rank 0 picks the temporary one and tells the others.
+    holder = [cli.output_dir or (tempfile.mkdtemp(prefix="hf_trainer_dmuon_") if rank == 0 else None)]
+    dist.broadcast_object_list(holder, src=0)
+    output_dir = holder[0]
 
     torch.manual_seed(0)  # same init on every rank: fully_shard and the owners keep what each rank built
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -113,7 +126,7 @@ def main() -> int:
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
     training_args = TrainingArguments(
-        output_dir=cli.output_dir,
+        output_dir=output_dir,
         per_device_train_batch_size=2,
         num_train_epochs=3,
         fsdp="",  # the model is already sharded
@@ -133,7 +146,7 @@ def main() -> int:
 
     # The end-of-training checkpoint, loaded the ordinary way on one process.
     final = dmuon.get_model_state_dict(model, rank0_only=True)  # collective
-    ckpt = os.path.join(cli.output_dir, f"checkpoint-{trainer.state.global_step}")
+    ckpt = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
     ok = log.losses[-1] < log.losses[0]
     if rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
@@ -146,6 +159,8 @@ def main() -> int:
               f"({trainer.state.global_step} steps)", flush=True)
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # gloo supports MIN; one verdict for every rank's exit code
+    if rank == 0 and cli.output_dir is None:  # every rank is past its last file access (the all_reduce)
+        shutil.rmtree(output_dir, ignore_errors=True)
     # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
     del trainer, model, optimizer
     gc.collect()
@@ -154,4 +169,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

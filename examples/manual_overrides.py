@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling re
 from custom_loop import BATCH_PER_RANK, MarkovTokens, MyModel  # noqa: E402
 
 import dmuon  # noqa: E402  (custom_loop made a source checkout importable)
+from dmuon.tools.launch import main_or_spawn  # noqa: E402
 
 ACCUM_STEPS = 4
 OPTIMIZER_STEPS = 4
@@ -106,4 +107,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the examples package
 import dmuon  # noqa: E402
+from dmuon.tools.launch import main_or_spawn  # noqa: E402
 from examples.custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E402
 
 
@@ -78,4 +79,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

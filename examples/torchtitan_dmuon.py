@@ -42,6 +42,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
+from dmuon.tools.launch import main_or_spawn
 
 try:
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
@@ -54,7 +55,8 @@ try:
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
 except ImportError as e:
-    sys.exit(f"torchtitan_dmuon: needs torchtitan and triton (pip install torchtitan triton): {e}")
+    sys.exit(f"torchtitan_dmuon: needs the [torchtitan] extra (torchtitan 0.3.0, triton): "
+             f"pip install torch==2.13.0 -e \".[torchtitan]\" (missing: {(e.name or str(e)).split(".")[0]})")
 
 from dmuon.integrations.torchtitan import DMuonCheckpointManager, DMuonOptimizersContainer, with_dmuon
 
@@ -186,4 +188,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself

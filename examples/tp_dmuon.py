@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout
 import dmuon  # noqa: E402
+from dmuon.tools.launch import main_or_spawn  # noqa: E402
 
 TP, VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH_PER_DP, STEPS = 2, 64, 64, 256, 2, 32, 8, 12
 
@@ -102,4 +103,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
