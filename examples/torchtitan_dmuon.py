@@ -56,7 +56,7 @@ try:
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
 except ImportError as e:
     sys.exit(f"torchtitan_dmuon: needs the [torchtitan] extra (torchtitan 0.3.0, triton): "
-             f"pip install torch==2.13.0 -e \".[torchtitan]\" (missing: {(e.name or str(e)).split(".")[0]})")
+             f"pip install torch==2.13.0 -e \".[torchtitan]\" (missing: {(e.name or str(e)).split('.')[0]})")
 
 from dmuon.integrations.torchtitan import DMuonCheckpointManager, DMuonOptimizersContainer, with_dmuon
 
