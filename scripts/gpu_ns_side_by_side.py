@@ -102,15 +102,20 @@ def variants(schedule: list[tuple[float, float, float]], coefficients: str, gns:
     def auto(G: torch.Tensor) -> torch.Tensor:
         return newton_schulz_native(G, len(schedule), coefficients, backend="auto")
 
-    if quack_full:
+    def with_quack_full(mode: bool | str) -> Callable:
         def auto_quack(G: torch.Tensor) -> torch.Tensor:
-            ns.QUACK_FULL_PRODUCTS = True
+            ns.QUACK_FULL_PRODUCTS = mode
             try:
                 return auto(G)
             finally:
                 ns.QUACK_FULL_PRODUCTS = False
 
-        out["dmuon auto + quack Q X"] = auto_quack  # the name of the 2026-12-01 (night) measurements
+        return auto_quack
+
+    # fixed configuration: nothing is autotuned, so it is cheap to include in every run
+    out["dmuon auto + quack Q X untuned"] = with_quack_full("untuned")
+    if quack_full:
+        out["dmuon auto + quack Q X"] = with_quack_full(True)  # the name of the 2026-12-01 (night) measurements
     # what dmuon.Muon runs for groups of at most _graphs.MAX_ELEMENTS (here for every group, to compare)
     out["dmuon auto + CUDA graph"] = lambda G: _graphs.run(auto, G, ("side-by-side", coefficients))
     try:
