@@ -183,14 +183,17 @@ class OwnerPlan:
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
     def summary_line(self) -> str:
-        """One log line; enough to spot a bad split without dumping the plan."""
+        """One log line; enough to spot a bad split without dumping the plan (element counts in K/M/G, so
+        an 8B model's 218M-element shares read at a glance)."""
         counts = [len(r.fqns) for r in self.ranks]
         numels = [r.numel for r in self.ranks]
+        idle = counts.count(0)
         return (
             f"dmuon: {len(self.owners)} dedicated params over {self.world_size} ranks, "
             f"NS-cost imbalance {self.imbalance:.3f} (max/mean), "
             f"per-rank params {min(counts)}..{max(counts)}, "
-            f"elements {min(numels)}..{max(numels)}"
+            f"elements {_count(min(numels))}..{_count(max(numels))}"
+            + (f", {idle} ranks own none" if idle else "")
         )
 
     def as_dict(self) -> dict:
@@ -204,6 +207,17 @@ class OwnerPlan:
                 for r in self.ranks
             ],
         }
+
+
+def _count(n: int) -> str:
+    """An element count for people: ``950``, ``12.6K``, ``218M``, ``6.98G`` (three significant digits)."""
+    if n < 1000:
+        return str(n)
+    for exp, unit in enumerate("KMGT", start=1):
+        v = n / 1000**exp
+        if float(f"{v:.3g}") < 1000 or unit == "T":  # 999.96K would print as 1e+03K: take the next unit
+            return f"{v:.3g}{unit}" if v < 1000 else f"{v:.0f}{unit}"
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """``python -m dmuon.bench``: step-time breakdown of dmuon against its baselines, in one run.
 
     python -m dmuon.bench --preset tiny                     # CPU smoke run (one process)
-    python -m dmuon.bench --preset 1b --out results/        # one GPU
-    torchrun --nproc_per_node 8 -m dmuon.bench --preset 8b  # 8 GPUs
-    python -m dmuon.bench --preset 8b --simulate-world-size 8   # most-loaded owner's optimizer step
-    torchrun --nproc_per_node 4 -m dmuon.bench --preset 1b --replicate 2   # HSDP: 2 replicas x 2 shards
+    python -m dmuon.bench --preset llama3.2-1b --out results/   # one GPU
+    torchrun --nproc_per_node 8 -m dmuon.bench --preset llama3-8b   # 8 GPUs
+    python -m dmuon.bench --preset llama3-8b --simulate-world-size 8   # busiest owner's optimizer step
+    torchrun --nproc_per_node 4 -m dmuon.bench --preset llama3.2-1b --replicate 2   # HSDP: 2 x 2
 
 Variants, all on the same Llama-shaped model (random init, synthetic tokens) in the same process run:
 
@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .launch import free_port
+from .presets import PRESET_ALIASES, canonical_preset
 from .timing import median_ms
 
 if TYPE_CHECKING:
@@ -50,16 +51,33 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "BENCH_PRESETS"]
 
-#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab)
-BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
+class _Presets(dict):
+    """``BENCH_PRESETS``: keyed by the names ``python -m dmuon.plan`` uses; the old short keys (``"1b"``)
+    still look up the same entry, so scripts that index it keep working."""
+
+    def __missing__(self, key: str) -> tuple[int, int, int, int, int, int]:
+        if key in PRESET_ALIASES:
+            return self[PRESET_ALIASES[key]]
+        raise KeyError(key)
+
+
+#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab); the Llama ones match dmuon.tools.presets
+BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets({
     "tiny": (128, 256, 2, 4, 2, 256),
     "125m": (768, 3072, 12, 12, 12, 32000),
-    "1b": (2048, 8192, 16, 32, 8, 128256),
-    "3b": (3072, 8192, 28, 24, 8, 128256),
-    "8b": (4096, 14336, 32, 32, 8, 128256),
-}
-_PRESET_SHAPES = {"125m": "125m", "1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3-8b"}
+    "llama3.2-1b": (2048, 8192, 16, 32, 8, 128256),
+    "llama3.2-3b": (3072, 8192, 28, 24, 8, 128256),
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+})
 VARIANTS = ("fsdp_adamw", "naive_fsdp_muon", "torch_muon", "dmuon_z3", "dmuon_z2")
+#: one line per variant, for --help
+_VARIANT_HELP = {
+    "fsdp_adamw": "FSDP2 per layer + root, AdamW on everything (the baseline of the ratios)",
+    "naive_fsdp_muon": "FSDP2 on everything; Muon all-gathers each projection gradient and runs NS on every rank",
+    "torch_muon": "no sharding: torch.optim.Muon + AdamW, each rank alone",
+    "dmuon_z3": "dmuon, weights freed after forward (reshard_after_forward=True)",
+    "dmuon_z2": "dmuon, weights kept from forward to backward (reshard_after_forward=False)",
+}
 KJ = (3.4445, -4.7750, 2.0315)
 
 
@@ -195,7 +213,8 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
         dmuon.dedicate_params(model, mesh["shard"] if hsdp else mesh, _is_proj,
                               replicate_mesh=mesh["replicate"] if hsdp else None,
                               reshard_after_forward=variant == "dmuon_z3", prefetch=prefetch,
-                              route=None if dmuon_norms == "fsdp" else _layer_norm_route(dmuon_norms))
+                              route=None if dmuon_norms == "fsdp" else _layer_norm_route(dmuon_norms),
+                              verbose=False)  # built once per round and variant: the bench prints its own lines
     if not variant.startswith("dmuon") or dmuon_wrap == "layers":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -271,8 +290,12 @@ def _simulate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from ..partition import assign_owners
     from .presets import projection_specs
 
-    specs = projection_specs(_PRESET_SHAPES[args.preset])
+    specs = projection_specs(args.preset)
     plan = assign_owners(specs, args.simulate_world_size)
+    if args.simulate_world_size > len(specs):
+        _say(f"warning: {args.simulate_world_size} ranks but only {len(specs)} dedicated matrices: "
+             f"{args.simulate_world_size - len(specs)} ranks own none, and the busiest owner's NS (one matrix at "
+             f"least) is a floor that more ranks cannot lower")
     busiest = max(plan.ranks, key=lambda r: r.cost)
     shape_of = {s.fqn: s.shape for s in specs}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -335,17 +358,33 @@ def _chart(results: list[Timing], path: str, title: str) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=sorted(BENCH_PRESETS), default="tiny")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    variants = "\n".join(f"  {k:<16} {v}" for k, v in _VARIANT_HELP.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon.bench",
+        description="Forward, backward and optimizer-step times of dmuon and its baselines on one Llama-shaped\n"
+                    "model, in one run, as ratios to FSDP2 + AdamW. Runs as one process, or one per GPU\n"
+                    "under torchrun.",
+        epilog=f"variants:\n{variants}\n\nexamples:\n  python -m dmuon.bench --preset tiny\n"
+               "  torchrun --nproc_per_node 8 -m dmuon.bench --preset llama3-8b --out results/\n"
+               "  python -m dmuon.bench --preset llama3-8b --simulate-world-size 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    aliases = ", ".join(f"{k}={v}" for k, v in PRESET_ALIASES.items())
+    parser.add_argument("--preset", type=canonical_preset, choices=list(BENCH_PRESETS), default="tiny", metavar="NAME",
+                        help=f"model shape, one of: {', '.join(BENCH_PRESETS)} (short names accepted: {aliases}; "
+                             "default tiny, a CPU smoke run)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), metavar="A,B,...",
+                        help=f"comma-separated variants to time, from: {', '.join(VARIANTS)} (default: all; "
+                             "listed below)")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default: 2 tiny, else 4)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: 32 tiny, else 512)")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed steps per variant and round; the per-phase times are their medians (default 5)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds; each builds and times every variant once, in a rotated order, so noise that "
                              "comes and goes over seconds spreads over all of them. Reported: medians over the "
                              "rounds, and each ratio's quartiles over the rounds (vs fsdp_adamw of the same round)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps before the timed ones, per variant and round (default 2)")
     parser.add_argument("--e2e-steps", type=int, default=None,
                         help="full steps timed end to end after the phase-timed ones, synchronised only before "
                              "the first and after the last (e2e_ms; default: --steps)")
@@ -356,7 +395,9 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
                         help="dmuon variants with --replicate > 1: publish updated weights over the replicate "
                              "group without waiting in step() (Muon(replicate_async=...))")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--simulate-world-size", type=int, default=0)
+    parser.add_argument("--simulate-world-size", type=int, default=0, metavar="W",
+                        help="instead of training: time the busiest owner's Muon step of a W-rank job on this one "
+                             "device against torch's NS on all matrices / W (needs a Llama preset; default 0: off)")
     parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
                         help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...))")
     parser.add_argument("--dmuon-wrap", choices=["layers", "root", "none"], default="layers",
@@ -371,7 +412,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
                         help="dmuon's Newton-Schulz form (default: auto, dmuon.Muon's; direct: torch's)")
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
                         help="dmuon's coefficient schedule (torch.optim.Muon always uses keller_jordan)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write results.json and chart.png (rank 0) to DIR (default: print only)")
     return parser, parser.parse_args(argv)
 
 
@@ -407,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                            "e2e_steps": args.e2e_steps}
     if args.simulate_world_size:
         if args.preset == "tiny":
-            parser.error("--simulate-world-size needs a Llama preset (125m, 1b, 3b, 8b)")
+            parser.error(f"--simulate-world-size needs a Llama preset ({', '.join(p for p in BENCH_PRESETS if p != 'tiny')})")
         sim = _simulate(args, device)
         out["simulate"] = sim
         print(f"{args.preset}, simulated world {sim['world_size']}: busiest owner (rank {sim['busiest_rank']}, "

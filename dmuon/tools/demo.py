@@ -231,7 +231,8 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
 
         # (a) dmuon: owners for the projections, FSDP2 for the rest, one optimizer for both.
         model_a = _build_model(s, device)
-        plan = dmuon.dedicate_params(model_a, mesh, predicate=projection_predicate, reshard_after_forward=z3)
+        plan = dmuon.dedicate_params(model_a, mesh, predicate=projection_predicate, reshard_after_forward=z3,
+                                     verbose=False)  # _print_plan shows it, with the per-rank table
         _shard(model_a, mesh, z3)
         opt_a = dmuon.Muon(model_a, lr=s.muon_lr, adamw_lr=s.adamw_lr)
         dedicated = sum(p.numel() for p in dmuon.get_dedicated_params(model_a).values())
@@ -343,17 +344,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m dmuon.demo",
         description="Train a tiny Llama with dmuon and with FSDP2+AdamW on local ranks and compare the losses.",
     )
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="number of ranks (default: 2 on CPU, every GPU on CUDA)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    parser.add_argument("--out", default="./dmuon_demo_out", help="directory for loss.png (default ./dmuon_demo_out)")
+    parser.add_argument("--steps", type=int, default=40, metavar="N", help="training steps per run (default 40)")
+    parser.add_argument("--out", default="./dmuon_demo_out", metavar="DIR",
+                        help="directory for loss.png (default ./dmuon_demo_out)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA with NCCL if available, else CPU with gloo")
     parser.add_argument("--zero", type=int, choices=(2, 3), default=3,
                         help="3: free gathered weights after forward (default); 2: keep them until backward")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--seed", type=int, default=0, help="init and data seed (default 0)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before hung ranks are killed")
+    parser.add_argument("--no-plot", action="store_true", help="skip loss.png (no matplotlib needed)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="init and data seed (default 0)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="seconds before hung ranks are killed (default 300)")
     return parser.parse_args(argv)
 
 

@@ -18,10 +18,10 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from ..partition import assign_owners
-from .presets import PRESETS, LlamaShape, projection_specs
+from ..partition import _count, assign_owners
+from .presets import PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
-__all__ = ["make_plan", "main"]
+__all__ = ["make_plan", "idle_owner_warning", "main"]
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -107,36 +107,80 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dmuon.plan", description=__doc__.split("\n")[0])
+def idle_owner_warning(info: dict[str, Any]) -> str | None:
+    """What it costs when ranks outnumber the dedicated matrices (``None`` when they do not): some ranks own
+    nothing, and the busiest owner's Newton–Schulz work has a floor that more ranks cannot lower."""
+    world, n = info["world_size"], info["dedicated_params"]
+    if world <= n:
+        return None
+    idle = sum(1 for r in info["per_rank"] if r["params"] == 0)
+    costs = [p["ns_cost"] for p in info["per_param"]]
+    floor = max(costs) / sum(costs)
+    return (f"warning: {world} ranks but only {n} dedicated matrices: {idle} ranks own none (idle owners: they "
+            f"still broadcast and reduce, but run no Newton-Schulz). The busiest owner still does {floor:.2%} of "
+            f"the job's NS work, not 1/{world} = {1 / world:.2%}: one matrix's NS is the floor of the Muon step's "
+            f"time, and more ranks cannot lower it.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon.plan",
+        description="Owner assignment, per-rank memory and per-step traffic of dmuon's dedicated matrices\n"
+                    "for a Llama-shaped model, computed without a GPU by the planner dedicate_params uses.",
+        epilog="examples:\n  python -m dmuon.plan --preset llama3-8b --world-size 64\n"
+               "  python -m dmuon.plan --config config.json --world-size 16 --replicas 4 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=sorted(PRESETS))
-    src.add_argument("--config", help="a HuggingFace config.json of a Llama-style model")
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--replicas", type=int, default=1, help="HSDP replicate size (default 1: plain FSDP)")
-    parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    aliases = ", ".join(f"{k}={v}" for k, v in PRESET_ALIASES.items())
+    src.add_argument("--preset", type=canonical_preset, choices=sorted(PRESETS), metavar="NAME",
+                     help=f"a built-in model shape, one of: {', '.join(sorted(PRESETS))} (short names accepted: "
+                          f"{aliases})")
+    src.add_argument("--config", metavar="PATH", help="a HuggingFace config.json of a Llama-style model "
+                     "(Llama, Qwen2, Mistral keys), instead of --preset")
+    parser.add_argument("--world-size", type=int, required=True, metavar="W",
+                        help="number of ranks (GPUs) in the job")
+    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+                        help="HSDP replicate size; must divide W (default 1: plain FSDP over all W ranks)")
+    parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
+                        help="dtype of the dedicated weights and their momentum, for the memory columns "
+                             "(default bf16)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--per-param", action="store_true", help="also list every matrix with its owner rank")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit code."""
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
     try:
         shape = args.preset if args.preset else shape_from_hf_config(args.config)
         info = make_plan(shape, args.world_size, args.replicas, args.dtype)
     except ValueError as e:
         parser.error(str(e))
+    warning = idle_owner_warning(info)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.json:
-        print(json.dumps(info))
+        print(json.dumps(dict(info, warnings=[warning] if warning else [])))
         return 0
-    print(f"{info['preset']}: {info['dedicated_params']} projection matrices, {info['dedicated_elements']:,} elements "
-          f"({args.dtype}), {args.world_size} ranks" + (f" as {args.replicas} x {args.world_size // args.replicas} HSDP"
-                                                          if args.replicas > 1 else ""))
+    hsdp = f" as {args.replicas} x {args.world_size // args.replicas} HSDP" if args.replicas > 1 else ""
+    print(f"{info['preset']}: {info['dedicated_params']} projection matrices, {_count(info['dedicated_elements'])} "
+          f"elements ({_gib(info['dedicated_elements'] * _BYTES[args.dtype]).strip()} GiB in {args.dtype}), "
+          f"{args.world_size} ranks{hsdp}")
     print(info["summary"])
-    print(f"\n{'rank':>5} {'params':>6} {'elements':>13} {'NS share':>8} {'owned GiB':>9} {'Z3 peak+':>9} {'Z2 peak+':>9}")
+    print(f"\n{'rank':>5} {'params':>6} {'elements':>9} {'NS share':>8} {'owned GiB':>9} {'Z3 peak+':>9} {'Z2 peak+':>9}")
     for r in info["per_rank"]:
-        print(f"{r['rank']:>5} {r['params']:>6} {r['numel']:>13,} {r['ns_cost_share']:>8.2%} "
+        print(f"{r['rank']:>5} {r['params']:>6} {_count(r['numel']):>9} {r['ns_cost_share']:>8.2%} "
               f"{_gib(r['persistent_bytes']):>9} {_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9}")
     m = info["elements_moved_per_rank_per_step"]
-    print(f"\nelements moved per rank per step (payload): Z3 {sum(m['z3'].values()):,}  Z2 {sum(m['z2'].values()):,}"
-          f"  (forward broadcast P, backward re-broadcast P under Z3, reduce P; P = {info['dedicated_elements']:,})")
+    nbytes = _BYTES[args.dtype]
+    z3, z2 = sum(m["z3"].values()), sum(m["z2"].values())
+    print(f"\nmoved per rank per step (payload): Z3 {_count(z3)} elements ({_gib(z3 * nbytes).strip()} GiB), "
+          f"Z2 {_count(z2)} ({_gib(z2 * nbytes).strip()} GiB): forward broadcast P, backward re-broadcast P under "
+          f"Z3 only, reduce P; P = {_count(info['dedicated_elements'])}")
     print("owned GiB: weights + Muon momentum (+ HSDP column copies); peak+: transient full copies on top")
     if args.per_param:
         print(f"\n{'owner':>5} {'shape':>14} {'NS flops/iter':>14}  matrix")

@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from ..partition import ParamSpec
 
-__all__ = ["LlamaShape", "PRESETS", "projection_specs", "shape_groups"]
+__all__ = ["LlamaShape", "PRESETS", "PRESET_ALIASES", "canonical_preset", "projection_specs", "shape_groups"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,23 @@ PRESETS: Mapping[str, LlamaShape] = MappingProxyType(
 )
 
 
+#: Short spellings ``python -m dmuon.bench`` used to have; both CLIs accept them silently, as the same preset.
+PRESET_ALIASES: Mapping[str, str] = MappingProxyType({"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3-8b"})
+
+
+def canonical_preset(name: str) -> str:
+    """The preset's one name (``"8b"`` -> ``"llama3-8b"``); any other string comes back unchanged, so an
+    argparse ``type=`` of this still reports an unknown name as an invalid choice."""
+    return PRESET_ALIASES.get(name, name)
+
+
 def projection_specs(preset: str | LlamaShape) -> list[ParamSpec]:
     """The 7 projection weights of every decoder layer, HF names, nn.Linear (out, in) layout.
 
     Embeddings, lm_head and norms are not included: Muon does not own them.
     """
     if isinstance(preset, str):
+        preset = canonical_preset(preset)
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; valid names: {', '.join(sorted(PRESETS))}")
         cfg = PRESETS[preset]
