@@ -1,0 +1,217 @@
+"""The docs site builds with ``mkdocs build --strict``, and its troubleshooting page stays true to the source.
+
+The troubleshooting page quotes each error message dmuon raises, one per line, in the form
+
+    > **ValueError**: `dmuon.dedicate_params: the predicate selected no parameters…`
+
+where ``…`` stands for whatever the message fills in at run time (a name, a shape, a list). Two checks,
+both derived from dmuon's source with ``ast`` (nothing is imported, so they cost well under a second):
+
+* no stale entries: every quote matches a string that is still in dmuon's source, and where it matches
+  a ``raise``, the quoted exception class is the one raised;
+* no missing entries: every ``raise SomeError(<literal, f-string or their sum>)`` in ``dmuon/`` is
+  matched by a quote that carries a fair part of its literal text. The few raises whose message has no
+  literal text to match are listed in ``NOT_QUOTABLE`` below, each with the reason.
+
+The build itself takes a few seconds: griffe reads the docstrings statically, without importing torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "dmuon"
+PAGE = ROOT / "docs" / "troubleshooting.md"
+REFERENCE = ROOT / "docs" / "reference"
+HOLE = "…"  # what a quote (and a rendered message template) shows where the message inserts a value
+
+# A quote must carry at least this many letters and digits of the message's literal text (or all of them,
+# for a shorter message), so that a vague quote ("dmuon: ") cannot cover many raises at once.
+MIN_QUOTED = 24
+# Raises whose literal text has fewer letters and digits than this cannot be matched to a quote.
+MIN_LITERAL = 8
+
+# Raises with no literal message text to check the page against: (file under dmuon/, exception class,
+# rendered template) -> why, and where the page covers the message instead.
+NOT_QUOTABLE = {
+    ("optim/groups.py", "ValueError", "…: …"):
+        "a hyperparameter error of a user param group, re-raised with the group's name in front; the "
+        "hyperparameter messages themselves are quoted",
+    ("runtime/guard.py", "NotHeldError", "…"):
+        "NotHeldError(_message(...)): the text is built by guard._message, whose f-string the page quotes "
+        "(the stale check matches it)",
+    ("tools/demo.py", "SystemExit", "…"): "SystemExit(1) after the demo printed its own explanation",
+    ("tools/bench.py", "KeyError", "…"): "KeyError(key) from BENCH_PRESETS.__missing__: the dict protocol",
+}
+# `raise AssertionError(...)` marks a line that cannot be reached: a bug, not a situation a user can fix.
+# (dmuon's own internal error, DMuonInternalError, has its entry on the page all the same.)
+UNREACHABLE = {"AssertionError"}
+
+
+# --------------------------------------------------------------------------------------------------- #
+# The source side                                                                                       #
+# --------------------------------------------------------------------------------------------------- #
+def _render(node: ast.expr) -> str:
+    """A message expression as its template: literal text kept, every computed part shown as HOLE."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else HOLE for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _render(node.left) + _render(node.right)
+    return HOLE
+
+
+def _letters(text: str) -> int:
+    return len(re.sub(r"[\W_]", "", text.replace(HOLE, "")))
+
+
+@dataclass(frozen=True)
+class Raise:
+    path: str  # relative to dmuon/
+    line: int
+    exc: str  # the exception class as written
+    template: str
+
+
+def _scan_source() -> tuple[list[Raise], list[str]]:
+    """Every ``raise X(message, ...)`` in dmuon/, and every other string template (helpers that build
+    messages, problem lists that a raise joins), docstrings left out."""
+    raises, strings = [], []
+    for path in sorted(SOURCE.rglob("*.py")):
+        rel = path.relative_to(SOURCE).as_posix()
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except SyntaxError as e:  # the package would not import either
+            pytest.fail(f"dmuon/{rel} does not parse on Python {sys.version.split()[0]}: {e}")
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        in_fstring = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                func = node.exc.func
+                exc = func.id if isinstance(func, ast.Name) else getattr(func, "attr", ast.unparse(func))
+                raises.append(Raise(rel, node.lineno, exc, _render(node.exc.args[0])))
+            elif (isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                                                      and id(node) not in in_fstring)) and id(node) not in docstrings:
+                strings.append(_render(node))
+    return raises, strings
+
+
+# --------------------------------------------------------------------------------------------------- #
+# The page side                                                                                         #
+# --------------------------------------------------------------------------------------------------- #
+_QUOTE = re.compile(r"^> \*\*(?P<exc>\w+)\*\*: (?P<tick>`+) ?(?P<msg>.+?) ?(?P=tick)\s*$")
+
+
+@dataclass(frozen=True)
+class Quote:
+    line: int
+    exc: str
+    msg: str
+
+    def pattern(self) -> re.Pattern[str]:
+        return re.compile(".*?".join(re.escape(part) for part in self.msg.split(HOLE)), re.S)
+
+
+def _quotes() -> list[Quote]:
+    out = []
+    for i, line in enumerate(PAGE.read_text(encoding="utf-8").splitlines(), start=1):
+        m = _QUOTE.match(line)
+        if m:
+            out.append(Quote(i, m["exc"], m["msg"]))
+        elif line.startswith("> **"):
+            pytest.fail(f"troubleshooting.md:{i}: looks like a quote but is not `> **Error**: `message``: {line!r}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Tests                                                                                                 #
+# --------------------------------------------------------------------------------------------------- #
+def test_docs_build_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` into a temporary directory: any warning (a broken link or anchor, a page
+    outside the nav, a docstring griffe cannot read) fails the build, and so this test."""
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        try:
+            __import__(module)
+        except ImportError:
+            pytest.fail(f"{module} is missing: the docs dependencies come with pip install -e '.[test]'")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+         "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{log}"
+    warnings = [line for line in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", line)]
+    assert not warnings, "mkdocs build printed warnings:\n" + "\n".join(warnings)
+    assert (tmp_path / "site" / "troubleshooting" / "index.html").is_file()
+
+
+def test_troubleshooting_quotes_only_messages_that_exist() -> None:
+    raises, strings = _scan_source()
+    quotes = _quotes()
+    assert len(quotes) > 50, f"only {len(quotes)} quotes found on {PAGE.name}: has its format changed?"
+    stale = []
+    for q in quotes:
+        rx = q.pattern()
+        matching = [r for r in raises if rx.search(r.template)]
+        if matching:
+            if q.exc not in {r.exc for r in matching}:
+                stale.append(f"line {q.line}: {q.exc}, but dmuon raises {sorted({r.exc for r in matching})} "
+                             f"({matching[0].path}:{matching[0].line}): {q.msg!r}")
+        elif not any(rx.search(s) for s in strings):
+            stale.append(f"line {q.line}: no string in dmuon/ reads {q.msg!r}")
+    assert not stale, "troubleshooting.md quotes messages dmuon no longer has:\n" + "\n".join(stale)
+
+
+def test_troubleshooting_covers_every_raised_message() -> None:
+    raises, _ = _scan_source()
+    quotes = [(q, q.pattern()) for q in _quotes()]
+    missing, unlisted = [], []
+    for r in raises:
+        if r.exc in UNREACHABLE:
+            continue
+        if _letters(r.template) < MIN_LITERAL:
+            if (r.path, r.exc, r.template) not in NOT_QUOTABLE:
+                unlisted.append(f"dmuon/{r.path}:{r.line}: raise {r.exc}({r.template!r})")
+            continue
+        need = min(MIN_QUOTED, _letters(r.template))
+        if not any(_letters(q.msg) >= need and rx.search(r.template) for q, rx in quotes):
+            missing.append(f"dmuon/{r.path}:{r.line}: {r.exc}: {r.template}")
+    assert not missing, (
+        f"{PAGE.relative_to(ROOT)} has no entry for these messages (add each, quoted as "
+        f"`> **Error**: `text with {HOLE} for values``, with its cause and fix):\n" + "\n".join(missing)
+    )
+    assert not unlisted, (
+        "these raises have no literal message text to check the troubleshooting page against; give them "
+        "one, or list them in NOT_QUOTABLE with the reason:\n" + "\n".join(unlisted)
+    )
+    present = {(r.path, r.exc, r.template) for r in raises}
+    gone = [key for key in NOT_QUOTABLE if key not in present]
+    assert not gone, f"NOT_QUOTABLE lists raises that are gone: {gone}"
+
+
+def _all_of(path: Path) -> list[str]:
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__")
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """Every name of ``dmuon.__all__`` has an entry on the reference page (modules: a page of their own)."""
+    page = (REFERENCE / "dmuon.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^::: dmuon\.(\w+)\s*$", page, re.M))
+    modules = {p.stem for p in REFERENCE.glob("*.md")}
+    missing = [n for n in _all_of(SOURCE / "__init__.py") if n not in documented and n not in modules]
+    assert not missing, f"docs/reference/dmuon.md has no `::: dmuon.NAME` entry for {missing}"
