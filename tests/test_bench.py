@@ -70,3 +70,32 @@ def test_replicate_must_split_the_world(monkeypatch, capsys, world, replicate, m
         bench.main(["--replicate", str(replicate)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_help_is_plain_text_and_names_every_variant_and_preset(capsys):
+    """Every option says what it does; valid presets and variants are listed; no RST markup (nor in the demo's)."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in (*bench.VARIANTS, *bench.BENCH_PRESETS, "8b=llama3-8b"):
+        assert name in text, (name, text)
+    parser, _ = bench._parse_args([])
+    undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert not undocumented, undocumented
+    from dmuon.tools import demo
+
+    with pytest.raises(SystemExit):
+        demo._parse_args(["--help"])
+    text += capsys.readouterr().out
+    assert "``" not in text and ":mod:" not in text and ":class:" not in text, text
+
+
+def test_presets_are_named_as_in_plan_and_short_names_still_work():
+    from dmuon.tools.presets import PRESETS
+
+    assert set(bench.BENCH_PRESETS) - {"tiny"} == set(PRESETS)  # one naming for plan and bench
+    assert bench._parse_args(["--preset", "8b"])[1].preset == "llama3-8b"
+    assert bench.BENCH_PRESETS["1b"] == bench.BENCH_PRESETS["llama3.2-1b"]  # scripts that index it by the old key
+    with pytest.raises(SystemExit):
+        bench._parse_args(["--preset", "9b"])

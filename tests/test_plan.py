@@ -4,13 +4,15 @@ and traffic that follow from them; it reads HF config.json files and rejects bad
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from dmuon.partition import assign_owners
-from dmuon.tools.plan import make_plan, shape_from_hf_config
+from dmuon.partition import _count, assign_owners
+from dmuon.tools.plan import _parser, make_plan, shape_from_hf_config
+from dmuon.tools.plan import main as plan_main
 from dmuon.tools.presets import projection_specs
 from tests._asserts import ROOT, child_env
 
@@ -76,3 +78,51 @@ def test_per_param_lists_every_matrix_with_the_owner_dedicate_params_would_pick(
     start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("owner")) + 1
     listed = {line.split()[-1]: int(line.split()[0]) for line in lines[start:]}
     assert listed == owners
+
+
+# --------------------------------------------------------------------------- the CLI as a newcomer meets it
+
+
+def test_help_is_plain_text_with_every_option_explained(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and ":mod:" not in text and ":class:" not in text, text
+    for name in ("125m", "llama3.2-1b", "llama3.2-3b", "llama3-8b", "8b=llama3-8b", "{bf16,fp16,fp32}"):
+        assert name in text, (name, text)
+    undocumented = [a.option_strings for a in _parser()._actions if a.option_strings and not a.help]
+    assert not undocumented, undocumented
+
+
+def test_short_preset_names_are_the_same_presets_without_a_warning(capsys):
+    assert plan_main(["--preset", "8b", "--world-size", "8", "--json"]) == 0
+    short = capsys.readouterr()
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "8", "--json"]) == 0
+    assert json.loads(short.out) == json.loads(capsys.readouterr().out)
+    assert short.err == ""
+    assert make_plan("1b", 4)["dedicated_elements"] == make_plan("llama3.2-1b", 4)["dedicated_elements"]
+
+
+def test_more_ranks_than_matrices_is_said_with_what_it_costs(capsys):
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "1000"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: 1000 ranks but only 224 dedicated matrices: 776 ranks own none" in err, err
+    assert "floor of the Muon step's time" in err and "1/1000 = 0.10%" in err, err
+    assert "776 ranks own none" in out  # the summary line says it too
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "1000", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["warnings"]) == 1 and "776 ranks own none" in info["warnings"][0]
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "224", "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_summary_counts_in_human_units(capsys):
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    # 6,979,321,856 dedicated elements = 13 GiB in bf16; 872M per rank at 8 ranks
+    assert "224 projection matrices, 6.98G elements (13.00 GiB in bf16), 8 ranks" in out, out
+    assert "elements 872M..872M" in out and re.search(r"^\s+0\s+28\s+872M\s", out, flags=re.MULTILINE), out
+    assert "Z3 20.9G elements (39.00 GiB), Z2 14G (26.00 GiB)" in out, out
+    assert not re.search(r"\d{1,3}(,\d{3}){2,}", out), out  # no raw 6,979,321,856 left
+    assert [_count(n) for n in (999, 1000, 12_600, 999_999, 6_979_321_856)] == ["999", "1K", "12.6K", "1M", "6.98G"]
