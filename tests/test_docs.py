@@ -19,6 +19,7 @@ The build itself takes a few seconds: griffe reads the docstrings statically, wi
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -83,6 +84,7 @@ class Raise:
     template: str
 
 
+@functools.cache
 def _scan_source() -> tuple[list[Raise], list[str]]:
     """Every ``raise X(message, ...)`` in dmuon/, and every other string template (helpers that build
     messages, problem lists that a raise joins), docstrings left out."""
@@ -103,7 +105,7 @@ def _scan_source() -> tuple[list[Raise], list[str]]:
             elif (isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)
                                                       and id(node) not in in_fstring)) and id(node) not in docstrings:
                 strings.append(_render(node))
-    return raises, strings
+    return raises, strings  # the tests only read these lists
 
 
 # --------------------------------------------------------------------------------------------------- #
