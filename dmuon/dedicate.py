@@ -237,7 +237,7 @@ class _Validated(NamedTuple):
     plan: OwnerPlan
     #: params routed ``ADAMW_REPLICATED``
     replicated: list[_Selected]
-    #: the "tp" dimension of a ("dp", "tp") mesh ([Note: sharded NS])
+    #: the "tp" dimension of a ("dp", "tp") mesh ([Note: TP update] in dmuon/optim/tp_update.py)
     tp_mesh: DeviceMesh | None
 
 
@@ -325,7 +325,7 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
     tp_mesh = None
     if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("dp", "tp"):
-        mesh, tp_mesh = mesh["dp"], mesh["tp"]  # tensor parallel: owners over "dp" ([Note: sharded NS])
+        mesh, tp_mesh = mesh["dp"], mesh["tp"]  # tensor parallel: owners over "dp" ([Note: TP update])
     if mesh.ndim != 1:
         raise ValueError(
             f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']), a 2-D "

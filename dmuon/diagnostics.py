@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch.nn as nn
 
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
+from .optim.tp_update import exchange_cost
 from .partition import ns_cost
 from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
@@ -76,19 +78,37 @@ def ns_backends(optimizer: Muon) -> list[dict[str, Any]]:
     """
     if not isinstance(optimizer, Muon):
         raise TypeError(f"dmuon.diagnostics.ns_backends needs a dmuon.Muon, got {type(optimizer).__name__}")
+    return [{"shape": (n, *shape), **explain((n, *shape), backend, device=device)}
+            for (n, shape, backend, device, _) in _ns_calls(optimizer)]
+
+
+def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.device, int]]:
+    """``(batch, matrix shape, backend, device, tp elements sent)`` of each batched NS call one ``step()`` of
+    this rank makes. A tensor-parallel shape group runs NS on the full matrices dealt to this tp rank
+    ([Note: TP update] in ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
+    state = optimizer._dmuon_state
+    dps = {id(dp.param): dp for dp in state.dedicated()}
     out = []
     for group in optimizer.param_groups:
         if group["kind"] != "muon":
             continue
-        counts: dict[tuple[int, ...], int] = {}
-        device = None
+        counts: dict[tuple, int] = {}
+        device = torch.device("cpu")
         for p in group["params"]:
-            counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+            dp = dps.get(id(p))
+            tp = (dp.tp_dim, tuple(dp.full_shape)) if dp is not None and dp.tp_dim is not None else None
+            key = (tuple(dp.shape) if dp is not None else tuple(p.shape), tp)
+            counts[key] = counts.get(key, 0) + 1
             device = p.device
-        for shape, n in sorted(counts.items()):
-            out.append({"shape": (n, *shape), **explain((n, *shape), group["ns_backend"],
-                                                         device=device or torch.device("cpu"))})
-    return out
+        for (shape, tp), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+            if tp is None:
+                out.append((n, shape, group["ns_backend"], device, 0))
+                continue
+            mine, sent = exchange_cost(n, math.prod(shape), tp_rank=state.tp_mesh.get_local_rank(),
+                                       tp_size=state.tp_mesh.size())
+            if mine or sent:
+                out.append((mine, tp[1], group["ns_backend"], device, sent))
+    return [c for c in out if c[0] or c[4]]
 
 
 # ---------------------------------------------------------------------- #
@@ -107,12 +127,13 @@ class Summary:
         return {"ranks": self.rows}
 
     def table(self) -> str:
+        kinds = _KINDS + (("tp_exchange",) if any("tp_exchange" in r["expected"] for r in self.rows) else ())
         head = (f"{'rank':>4} {'slot':>4} {'owned':>5} {'elements':>12} {'MiB':>9} {'NS share':>8}  "
-                + "  ".join(f"{k} expected/measured" for k in _KINDS))
+                + "  ".join(f"{k} expected/measured" for k in kinds))
         lines = [head]
         total_flops = sum(r["ns_flops"] for r in self.rows) or 1
         for r in self.rows:
-            moved = "  ".join(f"{r['expected'][k]:,}/{r['measured'].get(k, 0):,}" for k in _KINDS)
+            moved = "  ".join(f"{r['expected'].get(k, 0):,}/{r['measured'].get(k, 0):,}" for k in kinds)
             lines.append(f"{r['rank']:>4} {r['slot']:>4} {len(r['owned']):>5} {r['owned_elements']:>12,} "
                          f"{r['owned_bytes'] / 2**20:>9.2f} {r['ns_flops'] / total_flops:>8.1%}  {moved}")
         for r in self.rows:
@@ -126,11 +147,20 @@ class Summary:
         return self.table()
 
 
+def _ns_share(dp: Any, tp_mesh: Any) -> float:
+    """NS flops of one owned matrix on this rank; a tensor-parallel one's NS runs on one of its tp ranks, so
+    each carries ``1/t`` of it on average (exactly, per rank, with ``summarize``'s ``optimizer``)."""
+    if dp.tp_dim is None:
+        return ns_cost((int(dp.shape[0]), int(dp.shape[1])))
+    return ns_cost((int(dp.full_shape[0]), int(dp.full_shape[1]))) / tp_mesh.size()
+
+
 def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     """Per rank: the dedicated matrices it owns (shape, elements, bytes, NS cost), the elements one step
     should move by kind (``docs/architecture.md`` section 5) next to what the counters measured since the
     last :func:`reset_comm_counts`, and with ``optimizer`` the NS call of each shape group
-    (:func:`ns_backends`). Collective: every rank gets every row.
+    (:func:`ns_backends`) and, under tensor parallelism, the elements each step sends over "tp"
+    (``tp_exchange``) and this tp rank's NS flops. Collective: every rank gets every row.
 
     Example::
 
@@ -154,7 +184,7 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
         "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
                    "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
                    "route": dp.route.value,  # an adamw_owner param runs no NS
-                   "ns_flops": ns_cost((int(dp.shape[0]), int(dp.shape[1]))) if dp.route is Route.MUON else 0.0}
+                   "ns_flops": _ns_share(dp, state.tp_mesh) if dp.route is Route.MUON else 0.0}
                   for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders
         "expected": {"forward_broadcast": P, "backward_broadcast": P if state.config.reshard_after_forward else 0,
@@ -163,7 +193,12 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     }
     row["owned_elements"] = sum(p["numel"] for p in row["owned"])
     row["owned_bytes"] = sum(p["bytes"] for p in row["owned"])
-    row["ns_flops"] = sum(p["ns_flops"] for p in row["owned"])
+    row["ns_flops"] = sum(p["ns_flops"] for p in row["owned"])  # under TP, with ``optimizer``: this tp rank's
     if optimizer is not None:
         row["ns_backends"] = [{**g, "shape": list(g["shape"])} for g in ns_backends(optimizer)]
-    return Summary(sorted(all_gather_object(ctx, row), key=lambda r: r["rank"]))  # type: ignore[arg-type]
+        if state.tp_mesh is not None:  # NS runs on full matrices dealt over "tp" ([Note: TP update])
+            calls = _ns_calls(optimizer)
+            row["expected"]["tp_exchange"] = sum(c[4] for c in calls)
+            row["ns_flops"] = sum(n * ns_cost(shape) for n, shape, _, _, _ in calls if n)
+    rows = all_gather_object(ctx, row, every_rank=state.tp_mesh is not None)  # under TP: every tp index too
+    return Summary(sorted(rows, key=lambda r: r["rank"]))  # type: ignore[arg-type]

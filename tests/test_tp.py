@@ -127,11 +127,10 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)
     opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, ns_backend="direct", adamw_lr=ADAMW_LR,
                      adamw_weight_decay=0.01)
-    if per_shard_ns:  # the deliberately wrong variant: NS of each shard by itself (its own Gram matrix)
+    if per_shard_ns:  # the deliberately wrong variant: NS of each shard by itself, nothing exchanged over "tp"
         import dmuon.optim.muon as muon_module
 
-        real = muon_module.muon_update_sharded_
-        muon_module.muon_update_sharded_ = lambda *a, **kw: real(*a, **{**kw, "all_reduce": lambda t: t})
+        muon_module.muon_update_tp_ = _per_shard_update
     dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
     losses, norms = [], []
     dmuon.diagnostics.reset_comm_counts(model)
@@ -151,19 +150,28 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
     counts = dmuon.diagnostics.comm_counts(model)
+    summary = dmuon.diagnostics.summarize(model, optimizer=opt)
     return {"losses": losses, "norms": norms, "weights": _full_weights(model, mesh["dp"].get_group()), "counts": counts,
-            "owned": sorted(dmuon.get_owned_params(model))}
+            "owned": sorted(dmuon.get_owned_params(model)), "summary": summary.as_dict(), "table": str(summary)}
+
+
+def _per_shard_update(params, grads, bufs, hp, *, full_shape, **_) -> None:
+    """What the issue rules out: each shard orthogonalised alone (the lr still the full matrix's)."""
+    from dmuon.optim.update import _apply_update_, _orthogonalise, _stacked_updates
+
+    for p, o in zip(params, _orthogonalise(_stacked_updates(grads, bufs, hp), hp).unbind(0)):
+        _apply_update_(p, o, hp, full_shape)
 
 
 def tp_jobs(rank: int, world: int) -> dict:
     import dmuon.optim.muon as muon_module
 
     out = {"z3": tp_job(rank, world), "z2": tp_job(rank, world, z3=False), "accum": tp_job(rank, world, accum=2)}
-    real = muon_module.muon_update_sharded_
+    real = muon_module.muon_update_tp_
     try:
         out["per_shard"] = tp_job(rank, world, per_shard_ns=True)
     finally:
-        muon_module.muon_update_sharded_ = real  # the wrong variant's patch must not outlive its run
+        muon_module.muon_update_tp_ = real  # the wrong variant's patch must not outlive its run
     return out
 
 
@@ -202,12 +210,36 @@ def test_z2_equals_z3_and_every_rank_agrees(runs):
         assert_bitwise(res["z3"], runs[0]["z3"], f"rank {rank} vs rank 0")
 
 
-def test_one_gram_all_reduce_per_matrix_and_step(runs):
-    """Per step each owner sums each owned matrix's Gram matrix over "tp" once: w1 (rows split) carries
-    DIM x DIM, w2 (columns split) DIM x DIM too; ranks owning nothing send nothing."""
+def test_each_shard_crosses_tp_once_each_way(runs):
+    """[Note: TP update]: per step and shape group, one all-to-all over "tp" brings each matrix's shards to
+    the tp rank that runs its NS, one takes the result back. At tp=2 a rank sends the shards of the other
+    rank's matrices out and, of its own matrices' results, the other rank's shards: one shard per owned
+    matrix in all (w1 and w2 shards both DIM x HIDDEN / 2); ranks owning nothing send nothing."""
     for res in runs:
-        tp = res["z3"]["counts"]["tp_gram"]
-        assert tp["elements"] == STEPS * len(res["z3"]["owned"]) * DIM * DIM, (res["z3"]["owned"], tp)
+        owned, tp = res["z3"]["owned"], res["z3"]["counts"].get("tp_exchange", {"elements": 0, "calls": 0})
+        assert tp["elements"] == STEPS * len(owned) * DIM * HIDDEN // TP, (owned, tp)
+        groups = len({name.rsplit(".", 2)[-2] for name in owned})  # w1 and w2: one shape group each
+        assert tp["calls"] == STEPS * 2 * groups, (owned, tp)
+
+
+def test_diagnostics_count_the_tp_bytes_and_deal_the_ns(runs):
+    """``summarize`` knows what a step sends over "tp" and which full matrices each tp rank orthogonalises:
+    the two tp ranks of an owner slot split its NS flops evenly here (2 matrices of each shape per slot)."""
+    from dmuon.partition import ns_cost
+
+    rows = runs[0]["z3"]["summary"]["ranks"]
+    assert [r["rank"] for r in rows] == list(range(DP * TP))  # every tp index's rows, not one dp row's
+    for res, row in zip(runs, rows):
+        assert res["z3"]["counts"]["tp_exchange"]["elements"] == STEPS * row["expected"]["tp_exchange"], row
+        assert all(tuple(g["shape"][1:]) in ((HIDDEN, DIM), (DIM, HIDDEN)) for g in row["ns_backends"]), row
+    slot_flops = {}
+    for row in rows:
+        slot_flops.setdefault(row["slot"], []).append(row["ns_flops"])
+    for slot, flops in slot_flops.items():
+        owners = [r for r in rows if r["slot"] == slot][0]["owned"]
+        assert sum(flops) == pytest.approx(sum(ns_cost(tuple(s)) for s in [(HIDDEN, DIM), (DIM, HIDDEN)]) * len(owners) / 2)
+        assert flops[0] == pytest.approx(flops[1])
+    assert "tp_exchange expected/measured" in runs[0]["z3"]["table"]
 
 
 def tp_misuse_job(rank: int, world: int) -> dict:

@@ -36,7 +36,8 @@ from ..runtime.precision import check_float_dtype, is_wider
 from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
-from .update import AdamWHParams, MuonHParams, muon_update_batch_, muon_update_sharded_
+from .tp_update import muon_update_tp_
+from .update import AdamWHParams, MuonHParams, muon_update_batch_
 
 __all__ = ["Muon"]
 
@@ -514,10 +515,12 @@ class Muon(torch.optim.Optimizer):
                     [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
             if tp_dim is None:
                 muon_update_batch_(*args)
-            else:  # tensor parallel: the full matrix's update from the shards ([Note: sharded NS])
-                state, group = self._dmuon_state, self._dmuon_state.tp_mesh.get_group()
-                muon_update_sharded_(*args, full_shape=full_shape, sharded_dim=tp_dim,
-                                     all_reduce=lambda t: C.tp_gram_all_reduce(state.ctx, t, group))
+            else:  # tensor parallel: the full matrix's update, NS on one tp rank per matrix ([Note: TP update])
+                state = self._dmuon_state
+                tp_group = state.tp_mesh.get_group()
+                muon_update_tp_(*args, full_shape=full_shape, tp_dim=tp_dim, tp_rank=state.tp_mesh.get_local_rank(),
+                                tp_size=state.tp_mesh.size(),
+                                exchange=lambda *a: C.tp_exchange(state.ctx, *a, group=tp_group))
             for p, target, _ in items:
                 if target is not local(p):  # a master (a tensor-parallel shard is updated in place)
                     owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts

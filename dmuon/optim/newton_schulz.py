@@ -80,6 +80,7 @@ __all__ = [
     "GRAM_RESTART_EVERY",
     "GRAM_MAX_SCALE",
     "QUACK_FULL_PRODUCTS",
+    "native_dtype",
     "resolve_backend",
     "explain",
     "DEFAULT_NS_STEPS",
@@ -343,6 +344,19 @@ def newton_schulz_native(
     return X.mT if transpose else X
 
 
+def native_dtype(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
+                 device: torch.device | str | None = None) -> torch.dtype:
+    """The dtype :func:`newton_schulz_native` returns for ``shape`` on ``device``: bfloat16 from the direct
+    form, float16 from the others. Known without computing, so a peer can size a buffer for the result.
+
+    Example::
+
+        >>> native_dtype((4, 256, 1024), "gram")
+        torch.float16
+    """
+    return torch.bfloat16 if resolve_backend(shape, backend, device=device) == "direct" else torch.float16
+
+
 def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
             device: torch.device | str | None = None) -> dict[str, str]:
     """What one call on ``shape`` (2-D, or 3-D with the batch first) on ``device`` runs, and why: the form
@@ -356,7 +370,7 @@ def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     form = resolve_backend(shape, backend, device=dev)
-    dtype = torch.bfloat16 if form == "direct" else torch.float16
+    dtype = native_dtype(shape, backend, device=dev)
     if backend != "auto":
         kernel, why = "torch", f"backend={backend!r}: torch's products (only 'auto' uses the symmetric kernels)"
     elif dev.type != "cuda":

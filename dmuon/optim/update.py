@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,8 @@ from .newton_schulz import (
     parse_coefficients,
     resolve_backend,
 )
-from .sharded_ns import newton_schulz_sharded
 
-__all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_",
-           "muon_update_sharded_"]
+__all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_"]
 
 
 class AdjustLR(enum.Enum):
@@ -223,25 +221,3 @@ def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], moment
     orthos = _orthogonalise(_stacked_updates(grads, momentum_buffers, hp), hp)
     for p, o in zip(params, orthos.unbind(0)):
         _apply_update_(p, o, hp)
-
-
-def muon_update_sharded_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
-                         hp: MuonHParams, *, full_shape: Sequence[int], sharded_dim: int,
-                         all_reduce: Callable[[Tensor], Tensor], dtype: torch.dtype = torch.float32) -> None:
-    """:func:`muon_update_batch_` for same-shape tensor-parallel *shards*: each rank passes its shards of
-    the matrices (rows split: ``sharded_dim=0``, columns: ``1``) and the update applied is the full
-    matrix's Muon update ([Note: sharded NS] in ``dmuon/optim/sharded_ns.py``): momentum and decay are
-    elementwise, Newton-Schulz takes one all-reduce of the Gram matrices (``all_reduce`` sums over the
-    ranks that hold the other shards), the learning rate is scaled by ``full_shape``. NS runs in ``dtype``
-    (float32: at least as close to the exact iteration as ``torch.optim.Muon``'s bfloat16).
-
-    Example::
-
-        muon_update_sharded_([w_shard], [g_shard], [buf_shard], MuonHParams(), full_shape=(4096, 1024),
-                             sharded_dim=0, all_reduce=lambda t: (dist.all_reduce(t, group=tp), t)[1])
-    """
-    orthos = newton_schulz_sharded(_stacked_updates(grads, momentum_buffers, hp), sharded_dim=sharded_dim,
-                                   all_reduce=all_reduce, steps=hp.ns_steps, coefficients=hp.ns_coefficients,
-                                   eps=hp.eps, dtype=dtype)
-    for p, o in zip(params, orthos.unbind(0)):
-        _apply_update_(p, o, hp, full_shape)

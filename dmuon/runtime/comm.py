@@ -46,8 +46,10 @@ class CommKind(enum.Enum):
     REPLICATED_GRAD_ALL_REDUCE = "replicated_grad_all_reduce"
     #: Tensors moved by the state-dict functions (gathering to or scattering from full tensors).
     CHECKPOINT = "checkpoint"
-    #: Tensor parallelism: the Gram matrices of a matrix's shards, summed over "tp" in ``step()``.
-    TP_GRAM = "tp_gram"
+    #: Tensor parallelism, in ``step()``: the shards of each owned matrix's update to the tp rank that runs its
+    #: Newton-Schulz, and the result's shards back ([Note: TP update] in ``dmuon/optim/tp_update.py``); counted
+    #: as what this rank sends to its tp peers.
+    TP_EXCHANGE = "tp_exchange"
 
 
 @dataclass
@@ -58,12 +60,14 @@ class CommCounter:
     calls: dict[tuple[CommKind, str], int] = field(default_factory=dict)
     nbytes: dict[tuple[CommKind, str], int] = field(default_factory=dict)
 
-    def record(self, kind: CommKind, tensor: torch.Tensor, dim: str) -> None:
-        """One collective of ``kind`` along ``dim`` whose payload is ``tensor``."""
+    def record(self, kind: CommKind, tensor: torch.Tensor, dim: str, *, numel: int | None = None) -> None:
+        """One collective of ``kind`` along ``dim`` whose payload is ``tensor`` (``numel`` of its elements
+        where only part of it leaves this rank)."""
         key = (kind, dim)
-        self.elements[key] = self.elements.get(key, 0) + tensor.numel()
+        numel = tensor.numel() if numel is None else numel
+        self.elements[key] = self.elements.get(key, 0) + numel
         self.calls[key] = self.calls.get(key, 0) + 1
-        self.nbytes[key] = self.nbytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        self.nbytes[key] = self.nbytes.get(key, 0) + numel * tensor.element_size()
 
     def reset(self) -> None:
         self.elements.clear()
@@ -311,13 +315,15 @@ def all_reduce_avg(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label
     return PendingComm(work, tensor)
 
 
-def tp_gram_all_reduce(ctx: CommContext, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum the Gram matrices of tensor-parallel shards over the "tp" ``group``, in place ([Note: sharded
-    NS] in ``dmuon/optim/sharded_ns.py``); blocking, since Newton-Schulz needs the sum next."""
-    ctx.counter.record(CommKind.TP_GRAM, tensor, "tp")
-    with record_function("dmuon::all_reduce[tp] (gram)"):
-        dist.all_reduce(tensor, group=group)
-    return tensor
+def tp_exchange(ctx: CommContext, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
+                recv_counts: list[int], group: dist.ProcessGroup) -> None:
+    """One all-to-all over the "tp" ``group`` ([Note: TP update]): ``send_counts[d]`` elements of ``send`` to tp
+    rank ``d``, ``recv_counts[s]`` of ``recv`` from tp rank ``s``; blocking, since Newton-Schulz (or the step)
+    needs the result next."""
+    me = dist.get_rank(group)
+    ctx.counter.record(CommKind.TP_EXCHANGE, send, "tp", numel=send.numel() - send_counts[me])
+    with record_function("dmuon::all_to_all[tp]"):
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
 
 
 def wait(pending: PendingComm) -> torch.Tensor:
@@ -359,9 +365,14 @@ def all_gather_default(obj: object) -> list[object]:
     return out
 
 
-def all_gather_object(ctx: CommContext, obj: object) -> list[object]:
-    """Gather a small picklable object from every rank (plan checks, checkpoint metadata)."""
-    out: list[object] = [None] * ctx.world_size
+def all_gather_object(ctx: CommContext, obj: object, *, every_rank: bool = False) -> list[object]:
+    """Gather a small picklable object from every rank of dmuon's ranks (plan checks, checkpoint metadata);
+    ``every_rank``: of the default group's, which under tensor parallelism spans every tp index."""
+    if every_rank:
+        out: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    out = [None] * ctx.world_size
     if ctx.world_size == 1:
         return [obj]
     dist.all_gather_object(out, obj, group=ctx.groups[Dim.WORLD])

@@ -1,0 +1,113 @@
+"""The Muon update of tensor-parallel shards: each matrix gathered onto one tp rank, Newton–Schulz of the full
+matrix there, its result sent back in shards.
+
+[Note: TP update] Tensor parallelism keeps a weight split over the "tp" ranks (``ColwiseParallel``: rows,
+``Shard(0)``; ``RowwiseParallel``: columns, ``Shard(1)``), and every tp rank of the owner's dp slot keeps
+its shard and that shard's momentum. Muon must orthogonalise the *full* matrix (orthogonalising each shard
+alone is another update; ``tests/test_tp.py`` shows it missing the oracle). Momentum, decay and the step are
+elementwise, so they stay on the shards; only Newton–Schulz needs the whole matrix:
+
+1. the same-shape matrices of one owner slot are dealt round-robin over its tp ranks (matrix ``k`` to tp
+   rank ``k mod t``), and one all-to-all over "tp" brings each tp rank the other shards of its matrices;
+2. each tp rank runs the ordinary batched Newton–Schulz (:func:`dmuon.optim.update._orthogonalise`, the
+   same backend, kernels and CUDA graphs as an owner without TP) on the ``~N/t`` full matrices it got;
+3. a second all-to-all returns every shard of every result to the tp rank that holds that shard.
+
+So the update is bit for bit what an owner without TP computes for the same batch, and the NS work of the
+slot is split ``t`` ways. Bytes per tp rank and step: about ``2 (t-1)/t^2`` of the slot's matrices (the
+update's dtype out, Newton–Schulz's native float16/bfloat16 back). Measured against the alternative that
+never gathers (all-reduce of each matrix's Gram matrix over the sharded side, the NS polynomial in Gram
+space; ``docs/benchmarks.md``, 2026-12-01 issue 16): on an H200 that path cost each tp rank the whole
+Gram-space iteration of an ``s x s`` matrix (``s`` the unsplit side, 4096 for every Llama-3.1-8B matrix)
+whatever ``t`` is, 4.1–7.1 ms in float16 and 56–75 ms in float32 per matrix against 2.7–5.3 ms for the full
+matrix's NS here, divided by ``t``; its all-reduce also carried ``s^2`` float32 per matrix (67 MB) against
+the matrix itself in bfloat16 (8–117 MB) moved once each way. Pure tensor layout: the all-to-all is the
+caller's (``exchange``), so this module stays free of distributed code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .newton_schulz import native_dtype
+from .update import MuonHParams, _apply_update_, _orthogonalise, _stacked_updates
+
+__all__ = ["Exchange", "muon_update_tp_", "roots", "exchange_cost"]
+
+#: ``exchange(send, send_counts, recv, recv_counts)``: one all-to-all over the tp ranks (element counts per
+#: peer, in tp-rank order), e.g. ``dist.all_to_all_single`` over the "tp" group.
+Exchange = Callable[[Tensor, list[int], Tensor, list[int]], None]
+
+
+def roots(n: int, tp_size: int) -> list[int]:
+    """The tp rank that runs Newton–Schulz for each of ``n`` same-shape matrices: round-robin."""
+    return [k % tp_size for k in range(n)]
+
+
+def exchange_cost(n: int, shard_numel: int, *, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """For one call of :func:`muon_update_tp_` on ``n`` matrices: how many of them this tp rank orthogonalises,
+    and how many elements it sends to its tp peers over both all-to-alls (the shards of the other ranks'
+    matrices out, the other ranks' shards of its own results back)."""
+    mine = roots(n, tp_size).count(tp_rank)
+    return mine, (n - mine + (tp_size - 1) * mine) * shard_numel
+
+
+def _assemble(parts: Tensor, tp_dim: int) -> Tensor:
+    """``(t, c, *local)`` shards, tp-rank-major, to ``(c, *full)`` matrices (shards concatenated along ``tp_dim``)."""
+    t, c, m, n = parts.shape
+    if tp_dim == 0:
+        return parts.movedim(0, 1).reshape(c, t * m, n)
+    return parts.permute(1, 2, 0, 3).reshape(c, m, t * n)
+
+
+def _split(full: Tensor, tp_dim: int, t: int) -> Tensor:
+    """The inverse of :func:`_assemble`: ``(c, *full)`` to contiguous ``(t, c, *local)`` shards."""
+    c, m, n = full.shape
+    if tp_dim == 0:
+        return full.view(c, t, m // t, n).movedim(1, 0).contiguous()
+    return full.view(c, m, t, n // t).permute(2, 0, 1, 3).contiguous()
+
+
+def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
+                    hp: MuonHParams, *, full_shape: Sequence[int], tp_dim: int, tp_rank: int, tp_size: int,
+                    exchange: Exchange) -> None:
+    """:func:`dmuon.optim.update.muon_update_batch_` for same-shape tensor-parallel *shards* ([Note: TP
+    update]): every tp rank of the owner slot passes its shards of the same matrices, in the same order, and
+    each shard receives its part of the full matrix's Muon update (the lr scaled by ``full_shape``).
+
+    Example::
+
+        tp = mesh["tp"].get_group()
+        def exchange(send, send_counts, recv, recv_counts):
+            dist.all_to_all_single(recv, send, recv_counts, send_counts, group=tp)
+        muon_update_tp_([w_shard], [g_shard], [buf_shard], MuonHParams(), full_shape=(4096, 1024), tp_dim=0,
+                        tp_rank=mesh["tp"].get_local_rank(), tp_size=2, exchange=exchange)
+    """
+    full_shape = tuple(full_shape)
+    local = tuple(params[0].shape)
+    if tp_dim not in (0, 1) or len(full_shape) != 2 or local[tp_dim] * tp_size != full_shape[tp_dim]:
+        raise ValueError(f"muon_update_tp_: shards {local} do not split {full_shape} along dim {tp_dim} "
+                         f"over {tp_size} tp ranks")
+    updates = _stacked_updates(grads, momentum_buffers, hp)
+    numel = updates[0].numel()
+    counts = [len(range(d, len(params), tp_size)) for d in range(tp_size)]
+    mine = counts[tp_rank]
+    # out: the shards of tp rank d's matrices, for d = 0..t-1; in: my matrices' shards from every tp rank
+    send = torch.cat([updates[d::tp_size].reshape(-1) for d in range(tp_size)])
+    recv = updates.new_empty(tp_size * mine * numel)
+    exchange(send, [c * numel for c in counts], recv, [mine * numel] * tp_size)
+    # every root's result has Newton-Schulz's native dtype, the same for any batch of this shape
+    out_dtype = native_dtype((max(mine, 1), *full_shape), hp.ns_backend, device=updates.device)
+    if mine:
+        orthos = _orthogonalise(_assemble(recv.view(tp_size, mine, *local), tp_dim), hp)
+        back = _split(orthos.to(out_dtype), tp_dim, tp_size).reshape(-1)  # a no-op cast
+    else:
+        back = updates.new_empty(0, dtype=out_dtype)
+    mine_back = updates.new_empty(len(params) * numel, dtype=out_dtype)
+    exchange(back, [mine * numel] * tp_size, mine_back, [c * numel for c in counts])
+    from_root = [part.view(c, *local) for part, c in zip(mine_back.split([c * numel for c in counts]), counts)]
+    for k, p in enumerate(params):
+        _apply_update_(p, from_root[k % tp_size][k // tp_size], hp, full_shape)
