@@ -1,5 +1,16 @@
 """What the state-dict functions share: draining to a resting state, agreeing across ranks on who passed
-a dict and whether it is valid (raising together), and moving full tensors to where they live."""
+a dict and whether it is valid (raising together), and moving full tensors to where they live.
+
+[Note: tensor-parallel state dicts]
+Under tensor parallelism dmuon's ``ctx`` is one data-parallel row per tp index, so its "world" is not
+every rank. Everything that must involve every rank goes over the default group instead: the agreement
+on the mode (:func:`detect_mode`), rank 0's tensors and metadata in rank-0 mode (:func:`bcast_from_rank0`,
+:func:`bcast_object_from_rank0`; rank 0's own row is never enough) and the checksums' sums. A TP matrix
+is whole in full dicts (each row broadcasts its owner's shard, then :func:`gather_tp` concatenates the
+shards over "tp" along ``tp_dim``: the same bytes a dp-only run saves) and sliced on load
+(:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as a DTensor over "tp"
+(:func:`as_tp_dtensor`), whose chunk offsets DCP records, so any other dp x tp layout reads what it
+needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths."""
 
 from __future__ import annotations
 
@@ -12,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.profiler import record_function
 
 from .._fsdp import fsdp_modules
 from ..runtime import comm as C
@@ -32,12 +44,6 @@ class Mode(enum.Enum):
 def prepare(model: nn.Module) -> DMuonState:
     """Drain dmuon and FSDP2 so every live tensor is in its resting place (sharded, grads reduced)."""
     state = get_state(model)
-    tp = [dp.fqn for dp in state.dedicated() if dp.tp_dim is not None]
-    if tp:
-        raise NotImplementedError(
-            f"dmuon: state dicts of tensor-parallel dedicated params ({tp[0]!r}, ...) are not supported yet "
-            "(issue 16: the full and DCP forms over tp are still to come). Nothing was read or changed."
-        )
     state.bind_if_needed()
     state.wait_all_reduces()
     state.wait_all_replicate_broadcasts()
@@ -48,12 +54,29 @@ def prepare(model: nn.Module) -> DMuonState:
 
 
 def rank0_coord(state: DMuonState) -> int:
+    """Global rank 0's slot in dmuon's grid (without TP: under TP only tp index 0's row holds it)."""
     return state.ctx.global_ranks.index(0)
+
+
+def rank0_owns(state: DMuonState, owner: int) -> bool:
+    """Whether global rank 0 is slot ``owner`` of every rank's row, so a rank-0 dict needs no broadcast
+    for it. Never under TP: the owner's other tp ranks are in other rows."""
+    return state.tp_mesh is None and owner == rank0_coord(state)
+
+
+def tp_rank(state: DMuonState) -> int | None:
+    """This rank's tp index, ``None`` without tensor parallelism."""
+    return None if state.tp_mesh is None else state.tp_mesh.get_local_rank()
+
+
+def gather_views(state: DMuonState, obj: object) -> list[object]:
+    """Every rank's ``obj``: dmuon's world, or under TP the default group (every row)."""
+    return C.all_gather_object(state.ctx, obj) if state.tp_mesh is None else C.all_gather_default(obj)
 
 
 def detect_mode(state: DMuonState, what: str, has_dict: bool, local_errors: list[str], fingerprint: str) -> Mode:
     """One collective: agree on who passed a dict and whether anyone found a problem; raise together."""
-    views = C.all_gather_object(state.ctx, (dist.get_rank(), has_dict, local_errors, fingerprint))
+    views = gather_views(state, (dist.get_rank(), has_dict, local_errors, fingerprint))
     holders = sorted(r for r, has, _, _ in views if has)
     problems = [f"rank {r}: {e}" for r, _, errs, _ in views for e in errs]
     if not holders:
@@ -102,15 +125,30 @@ def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch
         buf = value.detach().to(state.ctx.device, dtype).clone()
     else:
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
-    return C.wait(C.broadcast(state.ctx, buf, rank0_coord(state), CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
+    if state.tp_mesh is None:
+        return C.wait(C.broadcast(state.ctx, buf, rank0_coord(state), CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
+    state.ctx.counter.record(CommKind.CHECKPOINT, buf, "every")  # every row: see [Note: tensor-parallel ...]
+    with record_function(f"dmuon::broadcast[every] ({label})"):
+        dist.broadcast(buf, src=0)
+    return buf
+
+
+def bcast_object_from_rank0(state: DMuonState, obj: object) -> object:
+    """A small picklable object from global rank 0 to every rank (rank-0 mode's metadata)."""
+    if state.tp_mesh is None:
+        return C.broadcast_object(state.ctx, obj, rank0_coord(state))
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def scatter_dtensor(like: DTensor, full: torch.Tensor | None, mode: Mode, state: DMuonState,
                      label: str) -> DTensor:
     """A DTensor laid out like ``like`` from a full tensor held by every rank (ALL) or by rank 0 only."""
     mesh = like.device_mesh
-    if mode is Mode.RANK0 and int(mesh.mesh.flatten()[0]) != 0:
+    if mode is Mode.RANK0 and (state.tp_mesh is not None or int(mesh.mesh.flatten()[0]) != 0):
         # distribute_tensor reads mesh coordinate 0; if that is not global rank 0, ship the data first
+        # (under TP on every rank: the rows whose mesh starts at rank 0 take part in the broadcast too)
         full = bcast_from_rank0(state, full, like.shape, like.dtype, label)
     elif full is None:
         full = torch.empty(like.shape, dtype=like.dtype)
@@ -122,3 +160,47 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_local = a.to_local() if isinstance(a, DTensor) else a
     b_local = b.to_local() if isinstance(b, DTensor) else b
     return a_local.untyped_storage().data_ptr() == b_local.untyped_storage().data_ptr()
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Tensor-parallel matrices: see [Note: tensor-parallel state dicts]                                    #
+# --------------------------------------------------------------------------------------------------- #
+def gather_tp(state: DMuonState, shard: torch.Tensor, tp_dim: int, label: str) -> torch.Tensor:
+    """The whole matrix on every rank of a tp group from each rank's ``shard`` (concatenated along
+    ``tp_dim`` in tp-mesh order). Collective over "tp"; every dp slot runs it at the same entry.
+
+    A local collective until ``dmuon/runtime/comm.py`` has one (counted as ``CHECKPOINT`` on ``"tp"``)."""
+    mesh = state.tp_mesh
+    group = mesh.get_group()
+    parts = [torch.empty_like(shard) for _ in range(mesh.size())]
+    state.ctx.counter.record(CommKind.CHECKPOINT, shard, "tp")
+    with record_function(f"dmuon::all_gather[tp] ({label})"):
+        dist.all_gather(parts, shard.contiguous(), group=group)
+    order = dist.get_process_group_ranks(group)  # group rank -> global rank; the mesh gives the tp order
+    return torch.cat([parts[order.index(int(r))] for r in mesh.mesh.flatten().tolist()], dim=tp_dim)
+
+
+def tp_slice(like: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a whole matrix laid out as the TP DTensor ``like`` (its own chunk offsets)."""
+    (chunk,) = like.__create_chunk_list__()
+    out = full
+    for d, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+        out = out.narrow(d, int(off), int(size))
+    return out
+
+
+def as_tp_dtensor(t: torch.Tensor, like: DTensor) -> DTensor:
+    """The local shard ``t`` (a momentum buffer) as a DTensor laid out like ``like``, aliasing ``t``, so
+    that DCP records its global offsets and ``dcp.load`` fills ``t`` in place."""
+    return DTensor.from_local(t.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def tp_local(v: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's shard from an incoming value for a TP matrix: a DTensor (a sharded dict: its local
+    tensor, re-laid-out when the placements differ) or a whole matrix (a full dict: this rank's slice)."""
+    if isinstance(v, DTensor):
+        if v.placements != like.placements:
+            v = v.redistribute(v.device_mesh, like.placements)
+        return v.to_local()
+    return tp_slice(like, v)

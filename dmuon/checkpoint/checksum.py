@@ -12,6 +12,11 @@ over the tensor's raw bits ``w_i`` read as signed words (int8 / int16 / int32: o
 sum over positions, so each rank adds the part it holds (a dedicated tensor: its owner; a DTensor shard:
 its own range, at its global offset; a replicated tensor: rank 0) and one all-reduce gives C.
 
+Under tensor parallelism (see [Note: tensor-parallel state dicts] in ``_common.py``) the sum runs over
+every rank: each owner-slot tp rank adds its shard of a TP matrix (:func:`chunk_part`: a column split's
+shard is one run of words per row, each at its own global index), and everything else, which every tp
+index holds alike, is counted on tp index 0 only.
+
 Why it catches what it should, exactly: a changed byte changes one word by ``d = c * 2^(8k)``, 0 < |c| <
 256, k < 4; P is prime and divides neither ``d`` (|d| < 2^32 and ``d`` is not ±P or ±2P) nor the weight
 (1..L), so C changes. Data from another save differs in many words and matches only by a 1-in-P chance.
@@ -39,7 +44,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..runtime import comm as C
 
-__all__ = ["P", "CHECKSUM_ATTR", "CHECKSUMS_KEY", "Item", "checksum_part", "collect", "mismatches", "stored"]
+__all__ = ["P", "CHECKSUM_ATTR", "CHECKSUMS_KEY", "Item", "checksum_part", "chunk_part", "collect", "mismatches",
+           "stored"]
 
 P = 2**31 - 1
 L = 2**15
@@ -95,6 +101,38 @@ def checksum_part(t: torch.Tensor, word_offset: int = 0) -> torch.Tensor:
     """This part of the checksum: ``t`` holds the words of the whole tensor starting at global word index
     ``word_offset``. ``checksum_part(full)`` is the whole checksum."""
     return _weighted_mod(_words(t), word_offset)
+
+
+def chunk_part(t: torch.Tensor, full_shape: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
+    """This part of the checksum of a tensor of ``full_shape`` whose block at ``offsets`` is ``t`` (a
+    tensor-parallel shard: rows or columns of a matrix). ``chunk_part(full, full.shape, [0, ...])`` is the
+    whole checksum; the parts of disjoint blocks add up (mod P) to it."""
+    dev, n, nd = t.device, t.numel(), t.dim()
+    if n == 0:
+        return torch.zeros((), dtype=torch.int64, device=dev)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(full_shape[d + 1])
+    wpe = words_per_element(t.dtype)
+    start = sum(int(o) * s for o, s in zip(offsets, strides))
+    if all(int(t.shape[d]) == int(full_shape[d]) for d in range(1, nd)):  # one contiguous range
+        return checksum_part(t, start * wpe)
+    run = int(t.shape[-1]) * wpe  # words of one contiguous run (a row of the block)
+    base = torch.full((), start, dtype=torch.int64, device=dev)
+    for d in range(nd - 1):  # the global element index of each run's first element
+        idx = torch.arange(int(t.shape[d]), dtype=torch.int64, device=dev) * strides[d]
+        base = base.unsqueeze(-1) + idx
+    base = base.reshape(-1) * wpe
+    words = _words(t).view(-1, run)
+    total = torch.zeros((), dtype=torch.int64, device=dev)
+    piece = min(run, 1 << 16)  # a run's slice: products < 2^46, a sum of 2^16 of them < 2^62
+    rows = max(1, (1 << 24) // piece)  # runs per slice: bounded temporaries (128 MiB of int64)
+    for c in range(0, run, piece):
+        cols = torch.arange(c, min(run, c + piece), dtype=torch.int64, device=dev)
+        for r in range(0, words.shape[0], rows):
+            w = (base[r:r + rows, None] + cols) % L + 1
+            total = total + ((words[r:r + rows, c:c + piece].to(torch.int64) * w).sum(dim=1) % P).sum() % P
+    return total % P
 
 
 def words_per_element(dtype: torch.dtype) -> int:
@@ -156,20 +194,43 @@ def dtensor_part(t: DTensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Item:
     """One tensor of a state dict and who counts it: its ``owner`` slot (a dedicated tensor and its
-    optimizer state), or, with ``owner=None``, the shards of the live DTensor ``layout`` (a tensor of its
-    shape) / slot 0 for anything else (a replicated tensor, a scalar ``step``)."""
+    optimizer state; a tensor-parallel one has its live DTensor over "tp" as ``layout``, whose shards the
+    owner slot's tp ranks count), or, with ``owner=None``, the shards of the live DTensor ``layout`` (a
+    tensor of its shape) / slot 0 for anything else (a replicated tensor, a scalar ``step``)."""
 
     key: str
     owner: int | None
     layout: torch.Tensor | None
 
 
-def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool) -> torch.Tensor:
+def _tp_part(layout: DTensor, v: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The owner slot's part of a TP matrix: a DTensor's shard at its offsets, a local shard at
+    ``layout``'s, or a whole matrix (an incoming full dict) on tp index 0."""
+    if isinstance(v, DTensor):
+        (chunk,) = v.__create_chunk_list__()
+        return chunk_part(v.to_local().detach().to(zero.device), v.shape, chunk.offsets)
+    if tuple(v.shape) == tuple(layout.shape):
+        return checksum_part(v.detach().to(zero.device)) if layout.device_mesh.get_local_rank() == 0 else zero
+    (chunk,) = layout.__create_chunk_list__()
+    return chunk_part(v.detach().to(zero.device), layout.shape, chunk.offsets)
+
+
+def _spans_rows(t: Any, ctx: C.CommContext) -> bool:
+    """Whether DTensor ``t`` lives on more ranks than one dp row (a 2-D ("dp", "tp") FSDP2 param), so its
+    shards already count once over every rank."""
+    return isinstance(t, DTensor) and t.device_mesh.size() > ctx.world_size
+
+
+def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool, tp_rank: int | None) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.int64, device=ctx.device)
     if not isinstance(v, torch.Tensor):
         return zero
     if everything_here:
         return checksum_part(v.detach().to(ctx.device))
+    if item.owner is not None and isinstance(item.layout, DTensor):
+        return _tp_part(item.layout, v, zero) if item.owner == ctx.rank else zero
+    if tp_rank and not _spans_rows(item.layout, ctx) and not _spans_rows(v, ctx):
+        return zero  # every tp index holds its own copy: tp index 0 counts it
     if item.owner is not None:
         return checksum_part(v.detach().to(ctx.device)) if item.owner == ctx.rank else zero
     if isinstance(v, DTensor):
@@ -186,16 +247,17 @@ def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool) -> torc
 
 
 def collect(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], *,
-            everything_here: bool = False) -> dict[str, int]:
+            everything_here: bool = False, tp_rank: int | None = None) -> dict[str, int]:
     """Every item's checksum over ``values`` (live tensors or an incoming dict; a key may be absent where
     this rank holds no part). Collective, one all-reduce: each rank adds the part it counts;
     ``everything_here``: this rank holds all of every value (a rank-0-only dict on rank 0), the others
-    none. Parts are summed on the device, so only this rank's share is read."""
+    none. ``tp_rank``: this rank's tp index under tensor parallelism (the sum then runs over every rank).
+    Parts are summed on the device, so only this rank's share is read."""
     if not items:
         return {}
     with torch.no_grad():
-        parts = torch.stack([_part(it, values.get(it.key), ctx, everything_here) for it in items])
-        total = C.all_reduce_sum(ctx, parts) % P
+        parts = torch.stack([_part(it, values.get(it.key), ctx, everything_here, tp_rank) for it in items])
+        total = C.all_reduce_sum(ctx, parts, every_rank=tp_rank is not None) % P
     return dict(zip((it.key for it in items), (int(x) for x in total.tolist())))
 
 
@@ -207,14 +269,16 @@ def stored(values: Mapping[str, Any], table: Any) -> dict[str, int]:
 
 
 def mismatches(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], expected: Mapping[str, int],
-               *, rank0_only: bool) -> list[str]:
+               *, rank0_only: bool, tp_rank: int | None = None) -> list[str]:
     """The keys whose incoming values do not match the checksums global rank 0 sees in ``expected`` (keys
-    without one are not checked; none at all: nothing is read). The same list on every rank. Collective."""
+    without one are not checked; none at all: nothing is read). The same list on every rank. Collective
+    (``tp_rank``: see :func:`collect`)."""
     me = dist.get_rank() == 0
     with torch.no_grad():
         want = C.all_reduce_sum(ctx, torch.tensor([expected.get(it.key, -1) + 1 if me else 0 for it in items],
-                                                  dtype=torch.int64, device=ctx.device)).tolist()
+                                                  dtype=torch.int64, device=ctx.device),
+                                every_rank=tp_rank is not None).tolist()
     if not any(want):
         return []
-    got = collect(ctx, items, values, everything_here=rank0_only and me)
+    got = collect(ctx, items, values, everything_here=rank0_only and me, tp_rank=tp_rank)
     return [it.key for it, w in zip(items, want) if w and got[it.key] != w - 1]

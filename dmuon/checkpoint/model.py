@@ -15,25 +15,28 @@ from torch.distributed.tensor import DTensor
 from ..runtime import comm as C
 from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState
-from ..runtime.param import DedicatedParam
+from ..runtime.param import DedicatedParam, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
     bcast_from_rank0,
     detect_mode,
+    gather_tp,
     listing,
     prepare,
-    rank0_coord,
+    rank0_owns,
     same_storage,
     scatter_dtensor,
     structure_fingerprint,
+    tp_local,
+    tp_rank,
 )
 
 __all__ = ["get_model_state_dict", "set_model_state_dict"]
 
 
 class _Kind(enum.Enum):
-    DEDICATED = "dedicated"  # full tensor on its owner, 0-byte placeholder elsewhere
+    DEDICATED = "dedicated"  # full tensor on its owner (a TP matrix: its shard), 0-byte placeholder elsewhere
     DTENSOR = "dtensor"  # FSDP2 shard
     PLAIN = "plain"  # replicated parameter or buffer
 
@@ -75,6 +78,9 @@ def get_model_state_dict(
     others ``{}``), on CPU unless ``cpu_offload=False``; loadable into a plain single-process model.
     ``sharded=True``: for ``torch.distributed.checkpoint``; FSDP2 params as DTensors, each dedicated
     tensor only on its owner, the live tensors themselves (so ``dcp.load`` fills the model in place).
+    Tensor parallelism: a TP matrix is whole in full dicts (its shards gathered over "tp"), and in
+    sharded dicts the live DTensor over "tp" on each rank of the owner's dp slot; both load into any
+    other dp x tp layout, dp-only included.
 
     Each tensor's checksum travels with it (full: a ``_dmuon_checksum`` attribute that ``torch.save`` /
     ``torch.load`` keep; sharded: one extra ``"_dmuon_checksums"`` entry), and
@@ -106,9 +112,11 @@ def get_model_state_dict(
                 continue
             if e.kind is _Kind.DEDICATED:
                 assert e.dp is not None
-                buf = (e.tensor.detach().clone() if mine
-                       else torch.empty(e.tensor.shape, dtype=e.dtype, device=ctx.device))
+                live = local(e.tensor)  # a TP matrix: this tp index's shard, broadcast in its own row
+                buf = (live.detach().clone() if mine else torch.empty(live.shape, dtype=e.dtype, device=ctx.device))
                 value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
+                if e.dp.tp_dim is not None:
+                    value = gather_tp(state, value, e.dp.tp_dim, e.key)
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
                 if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one
@@ -119,7 +127,7 @@ def get_model_state_dict(
                 out[e.key] = value.cpu() if cpu_offload else value
     if not checksums:
         return out
-    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries})
+    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries}, tp_rank=tp_rank(state))
     if sharded:
         out[CHECKSUMS_KEY] = sums
     else:
@@ -129,15 +137,23 @@ def get_model_state_dict(
 
 
 def _items(entries: list[_Entry]) -> list[Item]:
-    return [Item(e.key, e.dp.owner if e.kind is _Kind.DEDICATED and e.dp is not None else None, e.tensor)
-            for e in entries]
+    """Dedicated tensors count on their owner (a TP matrix through its live DTensor as the layout),
+    everything else through the live tensor's layout."""
+    out = []
+    for e in entries:
+        if e.kind is _Kind.DEDICATED and e.dp is not None:
+            out.append(Item(e.key, e.dp.owner, e.tensor if e.dp.tp_dim is not None else None))
+        else:
+            out.append(Item(e.key, None, e.tensor))
+    return out
 
 
 def _verify_checksums(state: DMuonState, entries: list[_Entry], sd: Mapping[str, Any], mode: Mode,
                       sharded: bool) -> None:
     """Compare the incoming tensors with the checksums the dict carries (where it carries any); raise on
     every rank together. Full dicts: before anything is written. Collective."""
-    bad = mismatches(state.ctx, _items(entries), sd, stored(sd, sd.get(CHECKSUMS_KEY)), rank0_only=mode is Mode.RANK0)
+    bad = mismatches(state.ctx, _items(entries), sd, stored(sd, sd.get(CHECKSUMS_KEY)), rank0_only=mode is Mode.RANK0,
+                     tp_rank=tp_rank(state))
     if not bad:
         return
     if sharded:
@@ -177,13 +193,40 @@ def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) 
     return ["; ".join(errors)] if errors else []
 
 
+def _load_dedicated(state: DMuonState, e: _Entry, sd: Mapping[str, Any], mode: Mode) -> None:
+    """A dedicated tensor's incoming value into its owner (a TP matrix: each owner-slot tp rank takes its
+    shard). Rank-0 mode: broadcast from rank 0 unless rank 0 is the owner. Collective in rank-0 mode."""
+    dp = e.dp
+    assert dp is not None
+    mine = dp.owner == state.ctx.rank
+    if mode is Mode.ALL:
+        if not mine:
+            return  # (a sharded dict holds it on its owners only)
+        value = sd[e.key]
+    elif rank0_owns(state, dp.owner):
+        value = sd.get(e.key)
+    else:
+        value = bcast_from_rank0(state, sd.get(e.key), e.tensor.shape, e.dtype, e.key)
+    if not mine:
+        return
+    if dp.tp_dim is not None:
+        target = local(e.tensor)
+        value = tp_local(value, e.tensor)  # type: ignore[arg-type]
+    else:
+        target = e.tensor
+    if not same_storage(value, target):  # type: ignore[arg-type]
+        target.copy_(value)  # type: ignore[arg-type]
+    dp.write_back()  # param_dtype: round the loaded master into the compute copy
+
+
 def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a state dict from :func:`get_model_state_dict` (full or sharded) into the model. Collective.
 
     Full dicts: pass the same dict on every rank, or the dict on rank 0 and ``{}`` elsewhere; the dict
-    may come from another world size (owners take their tensors, FSDP2 shards their slices).
-    Keys, shapes and dtypes are checked for the whole dict first; on any mismatch every rank raises a
-    ``ValueError`` listing missing / unexpected / mis-shaped keys and nothing changes.
+    may come from another world size (owners take their tensors, FSDP2 shards their slices); a
+    tensor-parallel model takes one from any dp x tp layout (dp-only too), each rank of a matrix's owner
+    slot its shard. Keys, shapes and dtypes are checked for the whole dict first; on any mismatch every
+    rank raises a ``ValueError`` listing missing / unexpected / mis-shaped keys and nothing changes.
 
     Example::
 
@@ -203,21 +246,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     with torch.no_grad():
         _verify_checksums(state, entries, state_dict, mode, sharded)
         for e in entries:
-            mine = e.dp is not None and e.dp.owner == ctx.rank
             if e.kind is _Kind.DEDICATED:
-                assert e.dp is not None
-                if mode is Mode.ALL:
-                    if mine and not same_storage(state_dict[e.key], e.tensor):
-                        e.tensor.copy_(state_dict[e.key])
-                elif e.dp.owner == rank0_coord(state):
-                    if mine:
-                        e.tensor.copy_(state_dict[e.key])
-                else:
-                    full = bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape, e.dtype, e.key)
-                    if mine:
-                        e.tensor.copy_(full)
-                if mine:
-                    e.dp.write_back()  # param_dtype: round the loaded master into the compute copy
+                _load_dedicated(state, e, state_dict, mode)
             elif e.kind is _Kind.DTENSOR:
                 v = state_dict.get(e.key)
                 if isinstance(v, DTensor):

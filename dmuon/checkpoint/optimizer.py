@@ -20,14 +20,20 @@ from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
+    as_tp_dtensor,
     bcast_from_rank0,
+    bcast_object_from_rank0,
     detect_mode,
+    gather_tp,
+    gather_views,
     listing,
     prepare,
-    rank0_coord,
+    rank0_owns,
     same_storage,
     scatter_dtensor,
     structure_fingerprint,
+    tp_local,
+    tp_rank,
 )
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
@@ -70,6 +76,8 @@ def get_optimizer_state_dict(
     Full (default): Muon momenta and AdamW moments as complete tensors, AdamW ``step``, and each group's
     hyperparameters (so a scheduler's ``lr`` survives) with the global ``param_names``. ``sharded=True``:
     for DCP; live tensors, AdamW moments as DTensors, each Muon momentum only on its owner.
+    Tensor parallelism: a TP matrix's momentum is whole in full dicts (gathered over "tp", as a dp-only
+    run saves it) and, in sharded dicts, a DTensor over "tp" aliasing each owner-slot rank's shard.
 
     Example::
 
@@ -89,7 +97,7 @@ def get_optimizer_state_dict(
         if dp.owner == ctx.rank and opt.state.get(dp.param)
     }
     adamw_present = [name for name, p, _ in _adamw_params(opt) if opt.state.get(p)]
-    views = C.all_gather_object(ctx, (owned_meta, adamw_present))
+    views = gather_views(state, (owned_meta, adamw_present))  # TP: every row, so all raise together
     if any(present != views[0][1] for _, present in views):
         raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
     muon_meta: dict[str, list] = {}
@@ -107,14 +115,18 @@ def get_optimizer_state_dict(
             mine = dp.owner == ctx.rank
             if sharded:
                 if mine:
-                    out_state[dp.fqn] = dict(opt.state[dp.param])
+                    st = opt.state[dp.param]
+                    out_state[dp.fqn] = (dict(st) if dp.tp_dim is None else
+                                         {k: as_tp_dtensor(v, dp.bound()) for k, v in st.items()})
                 continue
             entry = {}
             for k, shape, dtype in muon_meta[dp.fqn]:
                 buf = (opt.state[dp.param][k].detach().to(ctx.device, copy=True) if mine  # AdamW's step: CPU
                        else torch.empty(shape, dtype=dtype, device=ctx.device))
-                entry[k] = finish(C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}",
-                                                     dim=C.Dim.WORLD)))
+                value = C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}", dim=C.Dim.WORLD))
+                if dp.tp_dim is not None:  # this tp index's shard, from its own row's owner rank
+                    value = gather_tp(state, value, dp.tp_dim, f"{dp.fqn}.{k}")
+                entry[k] = finish(value)
             out_state[dp.fqn] = entry
         for name, p, _ in _adamw_params(opt):
             st = opt.state.get(p)
@@ -157,7 +169,7 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], ad
     items, live = [], {}
     for dp in state.dedicated():
         for k, _, _ in muon_meta.get(dp.fqn, []):
-            items.append(Item(f"{dp.fqn}.{k}", dp.owner, None))
+            items.append(_item(dp, f"{dp.fqn}.{k}"))
             if dp.owner == ctx.rank:
                 live[f"{dp.fqn}.{k}"] = opt.state[dp.param][k]
     present = set(adamw_present)
@@ -167,7 +179,12 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], ad
                 if isinstance(v, torch.Tensor):
                     items.append(Item(f"{name}.{k}", None, p))
                     live[f"{name}.{k}"] = v
-    return collect(ctx, items, live)
+    return collect(ctx, items, live, tp_rank=tp_rank(state))
+
+
+def _item(dp: DedicatedParam, key: str) -> Item:
+    """A dedicated param's state tensor counts on its owner (a TP matrix's per shard, laid out like it)."""
+    return Item(key, dp.owner, dp.bound() if dp.tp_dim is not None else None)
 
 
 def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
@@ -192,7 +209,7 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
             errors.append(f"param group {i} ({mine['kind']}): " + listing("unexpected params", unexpected))
     if errors:
         return ["; ".join(errors)]
-    full_shape = {dp.fqn: tuple(dp.shape) for dp in state.dedicated()}
+    full_shape = {dp.fqn: tuple(dp.full_shape or dp.shape) for dp in state.dedicated()}  # TP: the matrix's
     full_shape.update({name: tuple(p.shape) for name, p, _ in _adamw_params(opt)})
     dtype_of = {name: p.dtype for name, p, _ in _adamw_params(opt)}
     muon_dps = {dp.fqn: dp for dp in state.dedicated()}
@@ -266,14 +283,14 @@ def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode:
                       local_state: Mapping[str, Any]) -> None:
     """Compare the incoming state tensors with the checksums the dict carries (where it carries any); raise
     on every rank together, before the optimizer changes. Collective."""
-    items = [Item(f"{dp.fqn}.{k}", dp.owner, None) for dp in state.dedicated()
-             for k in sorted(_muon_state_dtypes(opt, dp))]
+    items = [_item(dp, f"{dp.fqn}.{k}") for dp in state.dedicated() for k in sorted(_muon_state_dtypes(opt, dp))]
     for name, p, _ in _adamw_params(opt):
         keys = (structure or {}).get(name, {}) if mode is Mode.RANK0 else local_state.get(name, {})
         items += [Item(f"{name}.{k}", None, p) for k in sorted(keys)]
     values = {f"{n}.{k}": v for n, e in local_state.items() if isinstance(e, Mapping) for k, v in e.items()}
     table = sd.get(CHECKSUMS_KEY) if isinstance(sd, Mapping) else None
-    bad = mismatches(state.ctx, items, values, stored(values, table), rank0_only=mode is Mode.RANK0)
+    bad = mismatches(state.ctx, items, values, stored(values, table), rank0_only=mode is Mode.RANK0,
+                     tp_rank=tp_rank(state))
     if bad:
         raise ValueError("dmuon.set_optimizer_state_dict: " + listing("checksums do not match", bad)
                          + ". The checkpoint is corrupted or mixed from different saves; the optimizer was not "
@@ -299,11 +316,11 @@ def _sources(state: DMuonState, state_dict: Any, mode: Mode) -> tuple[list[dict]
     one by one) and this rank's view of the state."""
     if mode is not Mode.RANK0:
         return state_dict["param_groups"], None, state_dict["state"]
-    meta = C.broadcast_object(state.ctx, None if dist.get_rank() != 0 else (
+    meta = bcast_object_from_rank0(state, None if dist.get_rank() != 0 else (
         [{k: v for k, v in g.items()} for g in state_dict["param_groups"]],
         {n: {k: ((tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else ("value", v))
              for k, v in e.items()} for n, e in state_dict["state"].items()},
-    ), rank0_coord(state))
+    ))
     groups, structure = meta  # type: ignore[misc]
     return groups, structure, (state_dict["state"] if dist.get_rank() == 0 else {})
 
@@ -324,17 +341,22 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
         if mode is Mode.ALL:
             if dp.is_owner and dp.fqn in local_state:
                 dtypes = _muon_state_dtypes(opt, dp)
-                new_state[p] = {k: place(p, k, v, dtypes[k]) for k, v in local_state[dp.fqn].items()}
+                new_state[p] = {k: place(p, k, _shard(dp, v), dtypes[k]) for k, v in local_state[dp.fqn].items()}
             continue
         for k, (shape, dtype, _) in sorted(structure.get(dp.fqn, {}).items()):  # type: ignore[union-attr]
             v = local_state.get(dp.fqn, {}).get(k)
-            if dp.owner == rank0_coord(state):
+            if rank0_owns(state, dp.owner):
                 full = v
             else:
                 full = bcast_from_rank0(state, v, torch.Size(shape), dtype, f"{dp.fqn}.{k}")
             if dp.is_owner:
-                new_state.setdefault(p, {})[k] = place(p, k, full, _muon_state_dtypes(opt, dp)[k])
+                new_state.setdefault(p, {})[k] = place(p, k, _shard(dp, full), _muon_state_dtypes(opt, dp)[k])
     return new_state
+
+
+def _shard(dp: DedicatedParam, v: Any) -> Any:
+    """What the owner keeps of an incoming state tensor: a TP matrix's shard, anything else whole."""
+    return v if dp.tp_dim is None or not isinstance(v, torch.Tensor) else tp_local(v, dp.bound())  # type: ignore[arg-type]
 
 
 def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
