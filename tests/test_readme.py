@@ -1,0 +1,81 @@
+"""README.md's copy-paste blocks do what the README says.
+
+Blocks a reader is meant to run as they are carry a marker line before the fence, ``<!-- runnable: KIND -->``:
+
+* ``demo``: clone, install, ``python -m dmuon.demo`` (run by hand on a fresh machine; here only its shape
+  is checked, since it clones and installs);
+* ``tests``: install and run this suite; ``.ci/run`` must run the same commands, so CI tests what a reader
+  would (the block is not re-run from inside the suite it starts);
+* ``script``: the complete minimal script, run here on 2 CPU ranks with the torchrun line the README gives.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from tests._asserts import ROOT, child_env
+
+README = ROOT / "README.md"
+MARKED = re.compile(r"<!-- runnable: (\w+) -->\n```(\w+)\n(.*?)```", re.S)
+
+
+def runnable_blocks() -> dict[str, tuple[str, str]]:
+    """``{kind: (language, text)}`` of README's marked blocks; a kind marked twice is an error."""
+    blocks: dict[str, tuple[str, str]] = {}
+    for kind, lang, text in MARKED.findall(README.read_text()):
+        assert kind not in blocks, f"README.md marks two blocks '<!-- runnable: {kind} -->'"
+        blocks[kind] = (lang, text)
+    return blocks
+
+
+def _commands(text: str) -> list[str]:
+    """Shell commands of a block or script, one per ``&&`` part, comments and ``set``/``cd`` lines dropped,
+    and spelled one way: ``pip`` as ``python -m pip``, without ``-q``."""
+    out = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        for part in filter(None, (p.strip() for p in line.split("&&"))):
+            words = [w for w in shlex.split(part) if w != "-q"]
+            if words[0] == "pip":
+                words = ["python", "-m", "pip", *words[1:]]
+            if words[0] not in ("set", "cd"):
+                out.append(" ".join(words))
+    return out
+
+
+def test_every_marked_kind_is_there_once() -> None:
+    blocks = runnable_blocks()
+    assert set(blocks) == {"demo", "tests", "script"}, sorted(blocks)
+    assert [lang for lang, _ in blocks.values()] == ["bash", "bash", "python"]
+    demo = blocks["demo"][1]
+    assert "git clone" in demo and "python -m dmuon.demo" in demo and "torch==2.13.0" in demo, demo
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = _commands(runnable_blocks()["tests"][1])
+    assert readme == ['python -m pip install torch==2.13.0 -e .[test,torchtitan]', "python -m pytest tests"], readme
+    ci = _commands((ROOT / ".ci" / "run").read_text())
+    assert ci[-len(readme):] == readme, f".ci/run ends with {ci[-len(readme):]}, README.md says {readme}"
+
+
+def test_minimal_script_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """The script block, saved as minimal.py and started with the README's first torchrun line."""
+    script = runnable_blocks()["script"][1]
+    (tmp_path / "minimal.py").write_text(script)
+    readme = README.read_text()
+    launch = re.search(r"^torchrun (--standalone --nproc_per_node 2 minimal\.py)", readme, re.M)
+    assert launch, "README.md lost its 'torchrun --standalone --nproc_per_node 2 minimal.py' line"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch.group(1).split()]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    match = re.search(r"^minimal: OK loss (\d+\.\d+) -> (\d+\.\d+)$", proc.stdout, re.M)
+    assert match, proc.stdout + proc.stderr[-3000:]
+    first, last = map(float, match.groups())
+    assert last < 0.5 * first, (first, last)
+    # dedicate_params prints its plan on rank 0 by default: once, not once per rank
+    assert proc.stdout.count("dmuon: 4 dedicated params over 2 ranks") == 1, proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["minimal.py"]  # it writes nothing
