@@ -13,8 +13,8 @@ elementwise, so they stay on the shards; only Newton–Schulz needs the whole ma
    same backend, kernels and CUDA graphs as an owner without TP) on the ``~N/t`` full matrices it got;
 3. a second all-to-all returns every shard of every result to the tp rank that holds that shard.
 
-So the update is bit for bit what an owner without TP computes for the same batch, and the NS work of the
-slot is split ``t`` ways. Bytes per tp rank and step: about ``2 (t-1)/t^2`` of the slot's matrices (the
+So each tp rank's update is bit for bit what an owner without TP that held its matrices computes (the same
+calls on the same batch), and the NS work of the slot is split ``t`` ways. Bytes per tp rank and step: about ``2 (t-1)/t^2`` of the slot's matrices (the
 update's dtype out, Newton–Schulz's native float16/bfloat16 back). Measured against the alternative that
 never gathers (all-reduce of each matrix's Gram matrix over the sharded side, the NS polynomial in Gram
 space; ``docs/benchmarks.md``, 2026-12-01 issue 16): on an H200 that path cost each tp rank the whole
@@ -102,7 +102,10 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     # every root's result has Newton-Schulz's native dtype, the same for any batch of this shape
     out_dtype = native_dtype((max(mine, 1), *full_shape), hp.ns_backend, device=updates.device)
     if mine:
-        orthos = _orthogonalise(_assemble(recv.view(tp_size, mine, *local), tp_dim), hp)
+        full = _assemble(recv.view(tp_size, mine, *local), tp_dim)
+        # one matrix goes through the 2-D call, as muon_update_batch_ sends it: the same kernels as an owner
+        # without TP that holds this tp rank's matrices
+        orthos = _orthogonalise(full[0], hp).unsqueeze(0) if mine == 1 else _orthogonalise(full, hp)
         back = _split(orthos.to(out_dtype), tp_dim, tp_size).reshape(-1)  # a no-op cast
     else:
         back = updates.new_empty(0, dtype=out_dtype)
