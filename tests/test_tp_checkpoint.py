@@ -4,8 +4,9 @@ tests/test_tp.py.
 One distributed job runs every case on the same 4 processes (a dp-only model is a 1-D mesh over all 4):
 an uninterrupted TP run that saves at step ``SAVE_AT`` (full on every rank, rank-0 only, DCP), its
 restarts from each form into a model built with another init (bit-identical to the uninterrupted run),
-resumes across layouts dp=2 x tp=2 -> dp=4 x tp=1 and back (within the oracle parity bounds), and
-refused loads (every rank raises the same error, nothing changes).
+resumes across layouts dp=2 x tp=2 -> dp=4 x tp=1 (a dp-only model), dp=1 x tp=4, and dp-only -> dp=2 x
+tp=2 (within the oracle parity bounds), and refused loads (every rank raises the same error, nothing
+changes).
 """
 
 from __future__ import annotations
@@ -44,17 +45,20 @@ from tests.test_tp import (
 SAVE_AT = 5
 WORLD = DP * TP
 FORMS = ("full", "rank0", "dcp")
+#: (dp, tp) of each layout; tp=1 is a dp-only model (a 1-D mesh, no parallelize_module)
+LAYOUTS = {"tp": (DP, TP), "dp": (WORLD, 1), "tp4": (1, WORLD)}
 
 
 # --------------------------------------------------------------------------------------------------- #
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
-def _build(tp: bool, seed: int = 0):
-    """The model of tests/test_tp.py, dp=2 x tp=2 (``tp``) or dp-only over every rank, and its optimizer."""
+def _build(layout: str, seed: int = 0):
+    """The model of tests/test_tp.py on one of :data:`LAYOUTS`, and its optimizer."""
     torch.manual_seed(seed)
     model = Net()
-    if tp:
-        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp, tp = LAYOUTS[layout]
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         dp_mesh = mesh["dp"]
@@ -97,16 +101,16 @@ def _save(model, opt, where: str) -> dict:
     return full
 
 
-def _run(tp: bool, where: str | None = None) -> tuple[dict, dict | None]:
+def _run(layout: str, where: str | None = None) -> tuple[dict, dict | None]:
     """``STEPS`` uninterrupted steps; with ``where``, save at ``SAVE_AT`` there (returns the full dicts)."""
-    model, opt, dp_mesh = _build(tp)
+    model, opt, dp_mesh = _build(layout)
     losses, saved = [], None
     for step in range(STEPS):
         if step == SAVE_AT and where is not None:
             saved = _save(model, opt, where)
         losses.append(_step(model, opt, dp_mesh, step))
     run = {"losses": losses, "weights": dmuon.get_model_state_dict(model)}
-    if tp:  # the full dict's gather against tests/test_tp.py's own (broadcast over "dp", gather over "tp")
+    if layout == "tp":  # the full dict's gather against tests/test_tp.py's own (broadcast over "dp", gather over "tp")
         run["independent"] = _full_weights(model, dp_mesh.get_group())
     return run, saved
 
@@ -126,17 +130,17 @@ def _load(model, opt, where: str, form: str) -> None:
     dmuon.set_optimizer_state_dict(model, opt, ckpt["optim"])
 
 
-def _resume(tp: bool, where: str, form: str) -> dict:
+def _resume(layout: str, where: str, form: str) -> dict:
     """Fresh model (another init, so only the load can make it right), load, train the remaining steps."""
-    model, opt, dp_mesh = _build(tp, seed=123)
+    model, opt, dp_mesh = _build(layout, seed=123)
     _load(model, opt, where, form)
     losses = [_step(model, opt, dp_mesh, step) for step in range(SAVE_AT, STEPS)]
     return {"losses": losses, "weights": dmuon.get_model_state_dict(model)}
 
 
 def _refusals(where: str) -> dict:
-    """Bad full dicts into a TP model: every rank raises the same ValueError, and nothing changed."""
-    model, opt, _ = _build(True, seed=7)
+    """Bad dicts into a TP model: every rank raises the same ValueError; full dicts change nothing."""
+    model, opt, _ = _build("tp", seed=7)
     before = dmuon.get_model_state_dict(model)
     ckpt = torch.load(f"{where}.full.pt", map_location="cpu", weights_only=False)
     key = "layers.0.w2.weight"  # columns split: the shards are not one range of the matrix
@@ -145,35 +149,45 @@ def _refusals(where: str) -> dict:
     flipped._dmuon_checksum = ckpt["model"][key]._dmuon_checksum
     momentum = {k: dict(v) for k, v in ckpt["optim"]["state"].items()}
     momentum[key] = {"momentum_buffer": torch.zeros(32, 48)}  # a shard's shape, not the matrix's
-    cases = {"model_shape": ("model", {**ckpt["model"], key: ckpt["model"][key][:, :48].clone()}),
-             "model_checksum": ("model", {**ckpt["model"], key: flipped}),
-             "optim_shape": ("optim", {**ckpt["optim"], "state": momentum})}
-    errors = {}
-    for name, (kind, sd) in cases.items():
+    cases = {"model_shape": lambda: dmuon.set_model_state_dict(model, {**ckpt["model"], key: flipped[:, :48]}),
+             "model_checksum": lambda: dmuon.set_model_state_dict(model, {**ckpt["model"], key: flipped}),
+             "optim_shape": lambda: dmuon.set_optimizer_state_dict(model, opt, {**ckpt["optim"], "state": momentum}),
+             "dcp_checksum": lambda: _torn_dcp_load(model, where, key)}
+    errors, unchanged = {}, None
+    for name, load in cases.items():
+        if name == "dcp_checksum":
+            after = dmuon.get_model_state_dict(model)
+            unchanged = all(torch.equal(before[k], after[k]) for k in before)
         try:
-            if kind == "model":
-                dmuon.set_model_state_dict(model, sd)
-            else:
-                dmuon.set_optimizer_state_dict(model, opt, sd)
+            load()
             errors[name] = ("no error", "")
         except Exception as e:  # noqa: BLE001 - recorded and asserted by the test
             errors[name] = (type(e).__name__, str(e))
-    after = dmuon.get_model_state_dict(model)
-    return {"errors": errors, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return {"errors": errors, "unchanged": unchanged}
+
+
+def _torn_dcp_load(model, where: str, key: str) -> None:
+    """``dcp.load``, then one value of tp rank 1's shard changes on its owner (as a torn save would)."""
+    target = dmuon.get_model_state_dict(model, sharded=True)
+    dcp.load({"model": target}, checkpoint_id=f"{where}.dcp")
+    if key in target and dist.get_rank() % TP == 1:
+        with torch.no_grad():
+            target[key].to_local()[0, 0] += 1.0
+    dmuon.set_model_state_dict(model, target)
 
 
 def tp_checkpoint_job(rank: int, world: int, ckpt_dir: str) -> dict:
     tp_at, dp_at = os.path.join(ckpt_dir, "tp"), os.path.join(ckpt_dir, "dp")
     out: dict = {}
-    out["tp"], saved = _run(True, tp_at)
-    out["dp"], dp_saved = _run(False, dp_at)
+    out["tp"], saved = _run("tp", tp_at)
+    out["dp"], dp_saved = _run("dp", dp_at)
     if rank == 0:
         out["saved"] = {"tp": saved, "dp": dp_saved}
     for form in FORMS:
-        out[f"tp<-tp {form}"] = _resume(True, tp_at, form)
+        out[f"tp<-tp {form}"] = _resume("tp", tp_at, form)
     for form in ("full", "dcp"):
-        out[f"dp<-tp {form}"] = _resume(False, tp_at, form)
-        out[f"tp<-dp {form}"] = _resume(True, dp_at, form)
+        for target, source in (("dp", "tp"), ("tp4", "tp"), ("tp", "dp")):
+            out[f"{target}<-{source} {form}"] = _resume(target, os.path.join(ckpt_dir, source), form)
     out["refusals"] = _refusals(tp_at)
     return out
 
@@ -232,21 +246,29 @@ def test_full_dict_is_the_single_process_models(runs):
 
 @pytest.mark.parametrize("form", ["full", "dcp"])
 def test_cross_layout_resume_matches_the_uninterrupted_runs(runs, form):
-    """dp=2 x tp=2 -> dp=4 (and back) against the uninterrupted run of the other layout and the oracle."""
+    """dp=2 x tp=2 -> dp=4, -> dp=1 x tp=4, and dp=4 -> dp=2 x tp=2, against the uninterrupted run of the
+    source layout and the oracle."""
     ref = oracle()
+    directions = [f"{t}<-{s} {form}" for t, s in (("dp", "tp"), ("tp4", "tp"), ("tp", "dp"))]
     for rank, res in enumerate(runs):
-        for direction, base in ((f"dp<-tp {form}", "dp"), (f"tp<-dp {form}", "tp")):
+        for direction in directions:
+            base = direction.split("<-")[1].split()[0]
             assert_close_to(res[direction], _tail(res[base]), f"rank {rank}, {direction}")
             assert_close_to(res[direction], _tail(ref), f"rank {rank}, {direction} vs the oracle")
-    for direction in (f"dp<-tp {form}", f"tp<-dp {form}"):
+    for direction in directions:
         err, key = worst_weight(runs[0][direction]["weights"], ref["weights"])
-        print(f"{direction}: worst weight {err:.2e} ({key})")
+        base = direction.split("<-")[1].split()[0]
+        err_b, key_b = worst_weight(runs[0][direction]["weights"], runs[0][base]["weights"])
+        loss = max(abs(a - b) / abs(b) for a, b in zip(runs[0][direction]["losses"], ref["losses"][SAVE_AT:]))
+        print(f"{direction}: worst weight vs oracle {err:.2e} ({key}), vs uninterrupted {base} {err_b:.2e} "
+              f"({key_b}); worst loss vs oracle {loss:.1e}")
 
 
 @pytest.mark.parametrize("case, needle", [
     ("model_shape", "layers.0.w2.weight (32, 48) != (32, 96)"),
     ("model_checksum", "checksums do not match: [layers.0.w2.weight]"),
     ("optim_shape", "layers.0.w2.weight.momentum_buffer shape (32, 48) != (32, 96)"),
+    ("dcp_checksum", "checksums do not match: [layers.0.w2.weight]"),
 ])
 def test_bad_dicts_are_refused_on_every_rank(runs, case, needle):
     for rank, res in enumerate(runs):
