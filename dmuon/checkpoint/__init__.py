@@ -15,6 +15,12 @@ with its owner's master value in its own dtype (as FSDP2's ``MixedPrecisionPolic
 params), and loading writes the master and rounds it into the compute copy. ``dmuon.Muon(master_dtype=...)``
 masters are optimizer state (``"master"``, beside ``momentum_buffer``, both in the master dtype).
 
+Tensor parallelism (a ``("dp", "tp")`` mesh): full dicts hold each TP matrix and its momentum whole (the
+owner slot's shards gathered over "tp"), the same dict a dp-only run gives, and loading gives each rank
+of the owner slot its slice; sharded dicts hold each owner-slot rank's shard as a DTensor over "tp", so
+DCP records its offsets and any other dp x tp layout (dp-only too) loads it. See [Note: tensor-parallel
+state dicts] in ``_common.py``.
+
 Layout: ``model.py`` and ``optimizer.py`` hold the two pairs of functions, ``_common.py`` what they share.
 """
 

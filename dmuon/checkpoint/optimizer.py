@@ -231,6 +231,9 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
             want = allowed.get(k) if allowed is not None else dtype_of[name]
             if allowed is not None and k not in allowed:
                 hint = "; build dmuon.Muon with the master_dtype it was saved with" if k == "master" else ""
+                if k == "master" and dp is not None and dp.tp_dim is not None:
+                    hint = ("; tensor-parallel matrices keep no master_dtype master yet: drop the 'master' "
+                            "entries to load the rest (the weights then go on from the model dict's values)")
                 bad.append(f"{name}.{k} (Muon state holds only {' and '.join(sorted(allowed))}{hint})")
             elif isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) != full_shape[name]:
                 bad.append(f"{name}.{k} shape {tuple(v.shape)} != {full_shape[name]}")
