@@ -411,8 +411,8 @@ def test_unsupported_settings_are_refused() -> None:
         return ParallelDims(**args)
 
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_degree"):
-        dmuon_tt.dedicate(model, parallel_dims(dp_shard=1, tp=2))
+    with pytest.raises(ValueError, match="context_parallel_degree"):
+        dmuon_tt.dedicate(model, parallel_dims(dp_shard=1, cp=2))
     with pytest.raises(ValueError, match="spmd_types"):
         dmuon_tt.dedicate(model, parallel_dims(spmd_backend="spmd_types"))
     never_called = dmuon_tt.with_dmuon(lambda model, **kw: pytest.fail("parallelize_fn ran"))

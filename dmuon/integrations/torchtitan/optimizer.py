@@ -3,13 +3,15 @@ gradient scale it registers and the dmuon-aware :func:`clip_grad_norm_` it insta
 
 [Note: gradient scale]
 torchtitan divides each rank's summed loss by the *global* token count and switches FSDP2's gradient
-division off (``set_gradient_divide_factor(1.0)``), so FSDP2 *sums* gradients over ranks. dmuon averages
-dedicated gradients over the world, which alone would leave them ``world`` times too small (Muon's
-Newton–Schulz hides most of that, the gradient norm and clipping would not). The container therefore
-registers a hook that multiplies every local dedicated gradient by ``world / divide_factor`` (2 on two
-ranks, 1 when FSDP2 averages) before dmuon's reduce, so each owner ends up with exactly the gradient a
-single process would compute. Under mixed precision the local gradient is in the compute dtype (bf16): the
-product is exact for power-of-two factors and rounded once to bf16 otherwise (e.g. 3 or 24 ranks).
+division off (``set_gradient_divide_factor(1.0)``), so FSDP2 *sums* gradients over the data-parallel ranks
+``dp`` (the world, or the world over the "tp" degree under tensor parallelism, where every tp rank of a
+dp slot computes the same loss). dmuon averages dedicated gradients over those same ``dp`` ranks, which
+alone would leave them ``dp`` times too small (Muon's Newton–Schulz hides most of that, the gradient norm
+and clipping would not). The container therefore registers a hook that multiplies every local dedicated
+gradient by ``dp / divide_factor`` (2 on two data-parallel ranks, 1 when FSDP2 averages) before dmuon's
+reduce, so each owner ends up with exactly the gradient a single process would compute. Under mixed
+precision the local gradient is in the compute dtype (bf16): the product is exact for power-of-two factors
+and rounded once to bf16 otherwise (e.g. 3 or 24 ranks).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from torchtitan.distributed import utils as tt_dist_utils
 
 import dmuon
 
+from ...runtime.hooks import STATE_ATTR
 from ...runtime.param import is_dedicated
 from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
 from ...optim.update import MuonHParams
+from ._tp_clip import clip_tensor_parallel_
 from .parallelize import _MODELS, _adopt
 
 _CLIP_MARK = "__dmuon_wrapped__"
@@ -60,10 +64,12 @@ def _fsdp_divide_factor(model: nn.Module) -> float | None:
 
 def dedicated_grad_scale(model: nn.Module) -> float:
     """The factor that turns dmuon's averaged dedicated gradients into what FSDP2 gives its own params:
-    ``world / divide_factor`` (torchtitan: ``world``, since it sums), 1.0 when FSDP2 averages."""
+    ``dp / divide_factor`` (torchtitan: ``dp``, since it sums), 1.0 when FSDP2 averages. ``dp`` is the
+    data-parallel ranks both average or sum over: the world, or the world over the "tp" degree."""
     factor = _fsdp_divide_factor(model)
-    world = dist.get_world_size()
-    return 1.0 if factor is None else world / float(factor)
+    tp_mesh = getattr(getattr(model, STATE_ATTR, None), "tp_mesh", None)
+    dp = dist.get_world_size() // (tp_mesh.size() if tp_mesh is not None else 1)
+    return 1.0 if factor is None else dp / float(factor)
 
 
 def _scale(factor: float, grad: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,11 @@ def clip_grad_norm_(
             f"dmuon torchtitan clip_grad_norm_: pipeline/expert parallelism is not supported (pp_mesh={pp_mesh!r}, "
             f"ep_enabled={ep_enabled!r})"
         )
-    return dmuon.clip_grad_norm_(_model_of(params), max_norm, norm_type, error_if_nonfinite)
+    model = _model_of(params)
+    state = getattr(model, STATE_ATTR)
+    if state.tp_mesh is not None:  # [Note: TP clipping stopgap]
+        return clip_tensor_parallel_(model, state, max_norm, norm_type, error_if_nonfinite)
+    return dmuon.clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite)
 
 
 def _install_clip_patch() -> None:

@@ -15,22 +15,27 @@ gradients are reduced and kept in fp32, as FSDP2 does for its own parameters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.config import TORCH_DTYPE_MAP, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.module import Module as TitanModule
 
 import dmuon
 
@@ -42,6 +47,8 @@ Predicate = Callable[[str, nn.Parameter], bool]
 
 #: Matrices of torchtitan's dense decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and
 #: ``wo``) and the dense feed-forward (``w1``/``w2``/``w3``).
+_TORCHTITAN_VERSION = importlib.metadata.version("torchtitan")
+
 _BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward)\.(?:.+\.)?weight$")
 
 #: Models prepared through this package, so :func:`clip_grad_norm_` can find the model of a parameter list.
@@ -61,7 +68,6 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
     if not isinstance(parallel_dims, ParallelDims):
         raise TypeError(f"dmuon torchtitan: expected torchtitan's ParallelDims, got {type(parallel_dims).__name__}")
     others = {
-        "tensor_parallel_degree": parallel_dims.tp,
         "context_parallel_degree": parallel_dims.cp,
         "pipeline_parallel_degree": parallel_dims.pp,
         "expert_parallel_degree": parallel_dims.ep,
@@ -69,8 +75,14 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
     unsupported = {k: v for k, v in others.items() if v != 1}
     if unsupported:
         raise ValueError(
-            f"dmuon torchtitan: only data parallelism (FSDP / HSDP) is supported, got {unsupported}; dmuon's mesh "
-            "must cover every rank."
+            f"dmuon torchtitan: only data and tensor parallelism (FSDP / HSDP, TP over FSDP) are supported, got "
+            f"{unsupported}; dmuon's mesh must cover every rank."
+        )
+    if parallel_dims.tp_enabled and parallel_dims.dp_replicate_enabled:
+        raise ValueError(
+            f"dmuon torchtitan: data_parallel_replicate_degree={parallel_dims.dp_replicate} with "
+            f"tensor_parallel_degree={parallel_dims.tp} (HSDP + TP) is not supported yet; dmuon's tensor-parallel "
+            "owners span one data-parallel dimension. Use data_parallel_shard_degree for the data-parallel ranks."
         )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
@@ -78,6 +90,27 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
             f"{parallel_dims.spmd_backend!r}; the other backends require every parameter to be a DTensor, "
             "dedicated ones included."
         )
+
+
+def _meshes(model: nn.Module, parallel_dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """dmuon's ``(mesh, replicate_mesh)`` from torchtitan's meshes. See [Note: tensor parallelism]."""
+    if not parallel_dims.tp_enabled:
+        replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+        return parallel_dims.get_mesh("fsdp"), replicate
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp} but no parameter is a DTensor yet; with "
+            "tensor parallelism call dedicate after torchtitan's TP step (model.parallelize(parallel_dims)) and "
+            "before fully_shard, or let with_dmuon / dmuon_model_spec place it there."
+        )
+    shard, tp = parallel_dims.get_mesh("fsdp"), parallel_dims.get_mesh("tp")
+    mesh = init_device_mesh(tp.device_type, (shard.size(), tp.size()), mesh_dim_names=("dp", "tp"))
+    if mesh["tp"] != tp or mesh["dp"].mesh.tolist() != shard.mesh.tolist():
+        raise RuntimeError(
+            f"dmuon torchtitan: torchtitan's meshes fsdp={shard} / tp={tp} are not the row-major (dp, tp) grid "
+            f"dmuon builds ({mesh}); this torchtitan version lays its mesh out differently (tested: 0.3.0)."
+        )
+    return mesh, None
 
 
 def dedicate(
@@ -109,10 +142,9 @@ def dedicate(
         model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, ...)
     """
     _check_parallel_dims(parallel_dims)
-    shard = parallel_dims.get_mesh("fsdp")
-    replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+    mesh, replicate = _meshes(model, parallel_dims)
     plan = dmuon.dedicate_params(
-        model, shard, predicate if predicate is not None else default_predicate,
+        model, mesh, predicate if predicate is not None else default_predicate,
         replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
     )
@@ -197,6 +229,81 @@ def _sum_reductions_on_gloo(model: nn.Module) -> None:
             m.set_force_sum_reduction_for_comms(True)
 
 
+# [Note: tensor parallelism]
+# torchtitan 0.3.0's ``parallelize_llama`` (and its other dense models') applies TP, activation
+# checkpointing, compile and FSDP2 in one function, and dmuon must dedicate between the first and the last:
+# after TP has made the matrices DTensors over "tp", before ``fully_shard``. The TP step is torchtitan's
+# public module protocol, ``model.parallelize(parallel_dims)`` (``torchtitan.protocols.module.Module``:
+# each submodule distributes its parameters by its ``sharding_config``), called on the root model. So
+# :func:`with_dmuon` shadows ``parallelize`` on that one model instance with a function that runs the
+# class's own method and then :func:`dedicate`; nothing of torchtitan is patched, no private name is
+# used, and the hook is gone once it ran. The alternatives were worse: wrapping ``apply_fsdp_to_decoder``
+# means patching a name inside torchtitan's model module (private, per model), and running the TP step
+# ourselves means reimplementing ``parallelize_llama`` around it. If a ``parallelize_fn`` never calls
+# ``model.parallelize`` (an older torchtitan with ``parallelize_module`` plans), :func:`with_dmuon` raises
+# afterwards; if it shards before TP, ``dedicate_params`` refuses the FSDP2-sharded model.
+# dmuon's mesh is ``init_device_mesh(..., ("dp", "tp"))`` over the same ranks: torchtitan's own 2-D view
+# is named ("fsdp", "tp"), which ``dedicate_params`` does not take, and DeviceMesh has no public rename.
+# Its "tp" dimension compares equal to torchtitan's "tp" mesh (same ranks, layout and name), which is
+# what ``dedicate_params`` checks the DTensors against; :func:`_meshes` verifies both dimensions.
+def _check_tensor_parallel_options(
+    parallel_dims: ParallelDims, kwargs: dict[str, Any], param_dtype: torch.dtype | None
+) -> None:
+    """Refuse TP settings dmuon cannot honour yet, before anything is sharded."""
+    _check_parallel_dims(parallel_dims)
+    tp = parallel_dims.tp
+    if param_dtype is not None:
+        training = kwargs["training"]
+        raise ValueError(
+            f"dmuon torchtitan: training.mixed_precision_param={training.mixed_precision_param!r} with "
+            f"tensor_parallel_degree={tp}: dmuon does not cast tensor-parallel matrices yet. Set "
+            f"mixed_precision_param={training.dtype!r} (training.dtype), or train in dtype="
+            f"{training.mixed_precision_param!r}."
+        )
+    compile_config = kwargs.get("compile_config")
+    if compile_config is not None and compile_config.enable_async_tensor_parallel:
+        raise ValueError(
+            f"dmuon torchtitan: compile.enable_async_tensor_parallel=True with tensor_parallel_degree={tp} is "
+            "not supported (it needs torch.compile of the blocks and CUDA symmetric memory; neither is tested "
+            "with dmuon). Set it to False."
+        )
+
+
+@contextlib.contextmanager
+def _after_tensor_parallel(model: nn.Module, parallel_dims: ParallelDims, run: Callable[[], Any]) -> Iterator[None]:
+    """Run ``run`` (:func:`dedicate`) right after torchtitan's TP step on ``model``; raise if the block never
+    took that step. See [Note: tensor parallelism]."""
+    step = getattr(type(model), "parallelize", None)
+    if not isinstance(model, TitanModule) or step is None or "parallelize" in vars(model):
+        raise ValueError(
+            f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp} needs a torchtitan Module whose "
+            f"parallelize_fn calls model.parallelize(parallel_dims) (torchtitan 0.3.0's TP step); got "
+            f"{type(model).__name__}."
+        )
+    done: list[bool] = []
+
+    def parallelize(dims: ParallelDims) -> None:
+        del model.parallelize  # the class's method again from here on
+        step(model, dims)
+        if dims is not parallel_dims:
+            raise ValueError("dmuon torchtitan: model.parallelize got another ParallelDims than parallelize_fn")
+        run()
+        done.append(True)
+
+    model.parallelize = parallelize  # an instance attribute: shadows the method on this model only
+    try:
+        yield
+    finally:
+        vars(model).pop("parallelize", None)
+    if not done:
+        raise ValueError(
+            f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp}, but the parallelize_fn never called "
+            f"model.parallelize(parallel_dims), torchtitan 0.3.0's TP step, after which dmuon dedicates (torchtitan "
+            f"{_TORCHTITAN_VERSION} here). The model is sharded without dmuon; rebuild it, or set "
+            "tensor_parallel_degree=1."
+        )
+
+
 def with_dmuon(
     parallelize_fn: Callable[..., nn.Module],
     predicate: Predicate | None = None,
@@ -227,9 +334,15 @@ def with_dmuon(
             parallelism = kwargs.get("parallelism")
             policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
             raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
-        dedicate(model, parallel_dims, predicate, reshard_after_forward=raf, param_dtype=param_dtype,
-                 reduce_dtype=reduce_dtype)
-        model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        run = functools.partial(dedicate, model, parallel_dims, predicate, reshard_after_forward=raf,
+                                param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        if not parallel_dims.tp_enabled:
+            run()
+            model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        else:
+            _check_tensor_parallel_options(parallel_dims, kwargs, param_dtype)
+            with _after_tensor_parallel(model, parallel_dims, run):
+                model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         _sum_reductions_on_gloo(model)
         return model
 

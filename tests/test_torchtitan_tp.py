@@ -1,0 +1,188 @@
+"""torchtitan's own tensor-parallel plan with dmuon: ``tensor_parallel_degree=2`` through ``dmuon_model_spec``.
+
+torchtitan 0.3.0's ``parallelize_llama`` runs the model's TP step (``model.parallelize(parallel_dims)``:
+colwise ``wqkv`` / ``w1`` / ``w3``, rowwise ``wo`` / ``w2``, vocab-sharded embedding and head, sequence
+parallel norms), then FSDP2 over "fsdp"; the integration dedicates the TP-sharded matrices in between
+([Note: tensor parallelism]). Each run trains torchtitan's debug Llama (tests/test_torchtitan.py's tiny
+recipe, its param groups, schedule, momentum edit and clipping every step) and is compared with that file's
+single-process oracle (``torch.optim.Muon`` + ``torch.optim.AdamW``). Skipped without torchtitan / triton.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("torchtitan")
+pytest.importorskip("torchtitan.models.llama3")
+
+import torch.distributed as dist  # noqa: E402
+
+import dmuon  # noqa: E402
+from tests._dist import run_distributed  # noqa: E402
+from tests.test_torchtitan import (  # noqa: E402
+    ATTENTION, GLOBAL_BATCH, HP, LOSS_RTOL, MAX_NORM, NORM_RTOL, STEPS, WARMUP, WEIGHT_RTOL, _cpu_torchtitan, _edit,
+    _loss_fn, _param_group_configs, _rel, batch, tiny_llama3_config, train_oracle,
+)
+
+TP = 2
+
+
+def _build(world: int, dump_folder: str) -> tuple[Any, Any, Any, Any]:
+    """Model, optimizers, LR schedulers and ParallelDims as ``Trainer.__init__`` builds them, with
+    ``tensor_parallel_degree=TP`` (the Trainer's ``update_from_config`` sets the model's sharding config)."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from dmuon.integrations import torchtitan as dmuon_tt
+
+    _cpu_torchtitan()
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=TP)
+    config = tiny_llama3_config()
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    spec = dmuon_tt.dmuon_model_spec(ModelSpec(
+        name="llama3", flavor="tiny", model=config, parallelize_fn=parallelize_llama,
+        pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None,
+    ))
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(
+        model, parallel_dims=parallel_dims, training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism, compile_config=CompileConfig(), ac_config=SelectiveAC.Config(),
+        dump_folder=dump_folder,
+    )
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = dmuon_tt.DMuonOptimizersContainer.Config(implementation="for-loop", param_groups=_param_group_configs(),
+                                                          **HP).build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=optimizers,
+                                                                            training_steps=STEPS)
+    return model, optimizers, lr_schedulers, parallel_dims
+
+
+def _full_weights(model: torch.nn.Module, parallel_dims: Any) -> dict[str, torch.Tensor]:
+    """Every weight whole, under torchtitan's canonical names (TP state dicts are not there yet): a dedicated
+    matrix from its owner's dp slot (its shard broadcast over "fsdp", then gathered over "tp"), FSDP2's
+    (dp, tp) DTensors through ``full_tensor``."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+
+    dp_group = parallel_dims.get_mesh("fsdp").get_group()
+    dedicated = {id(p) for p in dmuon.get_dedicated_params(model).values()}
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in dedicated:  # (named_parameters spells activation-checkpoint wrappers out)
+                shard = p._local_tensor
+                owner = dist.get_global_rank(dp_group, p._dedicated_owner_rank)
+                buf = shard.clone() if dist.get_rank() == owner else torch.empty(shard.shape)
+                dist.broadcast(buf, src=owner, group=dp_group)
+                parts = [torch.empty_like(buf) for _ in range(TP)]
+                dist.all_gather(parts, buf, group=p.device_mesh.get_group())
+                value = torch.cat(parts, dim=p.placements[0].dim)
+            else:
+                value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            out[canonical_fqn(name)] = value.clone()
+    return out
+
+
+def tp_job(rank: int, world: int, root: str) -> dict:
+    """STEPS steps of ``Trainer.train_step`` on a dp x tp grid: each dp slot takes its slice of the global
+    batch, its tp ranks the same slice; the loss is logged over the dp ranks."""
+    from torchtitan.distributed import utils as tt_dist_utils
+
+    model, optimizers, lr_schedulers, parallel_dims = _build(world, root)
+    dp_mesh = parallel_dims.get_mesh("fsdp")
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    per = GLOBAL_BATCH // dp
+    out: dict[str, Any] = {"init": _full_weights(model, parallel_dims), "losses": [], "norms": [],
+                           "dedicated": sorted(dmuon.get_dedicated_params(model)),
+                           "tp": {n: str(p.placements) for n, p in dmuon.get_dedicated_params(model).items()}}
+    for step in range(1, STEPS + 1):
+        tok, tgt = batch(step)
+        tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
+        _edit([g for g in optimizers.muon.param_groups if g["name"] == ATTENTION], step)
+        optimizers.zero_grad()
+        loss, _ = _loss_fn()(model(tok), tgt, torch.tensor(tgt.numel() * dp))
+        loss.backward()
+        norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True, pp_mesh=None,
+                                             ep_enabled=False)
+        optimizers.step()
+        lr_schedulers.step()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged, group=dp_mesh.get_group())  # local sum / global tokens, over dp: the mean
+        out["losses"].append(logged.item())
+        out["norms"].append(norm.item())
+    out["final"] = _full_weights(model, parallel_dims)
+    return out
+
+
+def _check_against_oracle(runs: list[dict]) -> dict[str, float]:
+    """Every rank's losses and norms, and the final weights, against the oracle from the same init; returns
+    the worst relative errors."""
+    got = runs[0]
+    for r in runs[1:]:
+        assert r["losses"] == got["losses"] and r["norms"] == got["norms"]
+    assert got["dedicated"] and set(got["tp"].values()) == {"(Shard(dim=0),)", "(Shard(dim=1),)"}, got["tp"]
+    oracle = train_oracle(got["init"])
+    loss = [abs(a - b) / b for a, b in zip(got["losses"], oracle["losses"], strict=True)]
+    norm = [abs(a - b) / b for a, b in zip(got["norms"], oracle["norms"], strict=True)]
+    assert max(loss) <= LOSS_RTOL, (got["losses"], oracle["losses"])
+    assert max(norm) <= NORM_RTOL, (got["norms"], oracle["norms"])  # every step clipped: a wrong norm shows
+    # [Note: bf16 floor] of tests/test_torchtitan.py: the same bound, the oracle's own spread doubled
+    floor = max(_rel(w, oracle["final"][k]) for k, w in train_oracle(got["init"], split=2)["final"].items())
+    rel = {k: _rel(got["final"][k], w) for k, w in oracle["final"].items()}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= max(WEIGHT_RTOL, 2 * floor), (worst, rel[worst], floor)
+    return {"loss": max(loss), "norm": max(norm), "weight": rel[worst], "floor": floor}
+
+
+@pytest.mark.parametrize("world", [TP, 2 * TP], ids=["dp1xtp2", "dp2xtp2"])
+def test_tensor_parallel_matches_single_process_oracle(world: int, tmp_path: Path) -> None:
+    """dp=1 x tp=2 (2 gloo ranks) and dp=2 x tp=2 (4): every block matrix is dedicated as a pair of TP shards."""
+    runs = run_distributed(tp_job, world, str(tmp_path))
+    print(world, _check_against_oracle(runs))
+
+
+def test_tensor_parallel_settings_dmuon_cannot_honour_are_refused() -> None:
+    """Each raises a ValueError naming the setting, before anything is sharded (no process group here)."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from dmuon.integrations import torchtitan as dmuon_tt
+
+    def dims(**kw: Any) -> ParallelDims:
+        args = dict(dp_replicate=1, dp_shard=1, cp=1, tp=TP, pp=1, ep=1, world_size=TP, spmd_backend="partial_dtensor")
+        return ParallelDims(**{**args, **kw})
+
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"data_parallel_replicate_degree=2 with tensor_parallel_degree=2 \(HSDP"):
+        dmuon_tt.dedicate(plain, dims(dp_replicate=2, world_size=2 * TP))
+    with pytest.raises(ValueError, match="no parameter is a DTensor yet"):  # dedicate before torchtitan's TP step
+        dmuon_tt.dedicate(plain, dims())
+    never_called = dmuon_tt.with_dmuon(lambda model, **kw: pytest.fail("parallelize_fn ran"))
+    fp32 = TrainingConfig(mixed_precision_param="float32")
+    for kwargs, match in [
+        (dict(training=TrainingConfig()), "mixed_precision_param='bfloat16' with tensor_parallel_degree=2"),
+        (dict(training=fp32, compile_config=CompileConfig(enable=True, enable_async_tensor_parallel=True)),
+         "enable_async_tensor_parallel=True"),
+        (dict(training=fp32), "needs a torchtitan Module"),  # a plain nn.Module has no TP step to follow
+    ]:
+        with pytest.raises(ValueError, match=match):
+            never_called(plain, parallel_dims=dims(), parallelism=ParallelismConfig(tensor_parallel_degree=TP,
+                                                                                    spmd_backend="partial_dtensor"),
+                         **kwargs)
