@@ -52,7 +52,7 @@ LAYOUTS = {"tp": (DP, TP), "dp": (WORLD, 1), "tp4": (1, WORLD)}
 # --------------------------------------------------------------------------------------------------- #
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
-def _build(layout: str, seed: int = 0):
+def _build(layout: str, seed: int = 0, predicate=_is_matrix):
     """The model of tests/test_tp.py on one of :data:`LAYOUTS`, and its optimizer."""
     torch.manual_seed(seed)
     model = Net()
@@ -64,7 +64,7 @@ def _build(layout: str, seed: int = 0):
         dp_mesh = mesh["dp"]
     else:
         mesh = dp_mesh = init_device_mesh("cpu", (WORLD,))
-    dmuon.dedicate_params(model, mesh, _is_matrix)
+    dmuon.dedicate_params(model, mesh, predicate)
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
@@ -176,6 +176,27 @@ def _torn_dcp_load(model, where: str, key: str) -> None:
     dmuon.set_model_state_dict(model, target)
 
 
+def _undedicated_tp_weights(tp_at: str, ckpt_dir: str) -> dict:
+    """Only ``w1`` dedicated: ``w2`` stays a TP weight that FSDP2 shards over "dp" (a DTensor over both
+    dims). The TP full dict loads into it (checksums checked), and its DCP save loads into a dp-only model."""
+    from torch.distributed.tensor import DTensor
+
+    model, _, _ = _build("tp", seed=11, predicate=lambda n, p: n.endswith("w1.weight"))
+    w2 = model.layers[0].w2.weight
+    ckpt = torch.load(f"{tp_at}.full.pt", map_location="cpu", weights_only=False)
+    dmuon.set_model_state_dict(model, ckpt["model"])
+    out = {"w2_mesh_dims": w2.device_mesh.ndim if isinstance(w2, DTensor) else 0,
+           "full": dmuon.get_model_state_dict(model)}
+    dcp.save({"model": dmuon.get_model_state_dict(model, sharded=True)},
+             checkpoint_id=os.path.join(ckpt_dir, "undedicated.dcp"))
+    plain, _, _ = _build("dp", seed=12)
+    target = {"model": dmuon.get_model_state_dict(plain, sharded=True)}
+    dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "undedicated.dcp"))
+    dmuon.set_model_state_dict(plain, target["model"])
+    out["dcp"] = dmuon.get_model_state_dict(plain)
+    return out
+
+
 def tp_checkpoint_job(rank: int, world: int, ckpt_dir: str) -> dict:
     tp_at, dp_at = os.path.join(ckpt_dir, "tp"), os.path.join(ckpt_dir, "dp")
     out: dict = {}
@@ -189,6 +210,7 @@ def tp_checkpoint_job(rank: int, world: int, ckpt_dir: str) -> dict:
         for target, source in (("dp", "tp"), ("tp4", "tp"), ("tp", "dp")):
             out[f"{target}<-{source} {form}"] = _resume(target, os.path.join(ckpt_dir, source), form)
     out["refusals"] = _refusals(tp_at)
+    out["undedicated"] = _undedicated_tp_weights(tp_at, ckpt_dir)
     return out
 
 
@@ -242,6 +264,19 @@ def test_full_dict_is_the_single_process_models(runs):
 
     assert layout(saved["tp"]["optim"]) == layout(saved["dp"]["optim"])
     assert saved["tp"]["optim"]["state"]["layers.1.w2.weight"]["momentum_buffer"].shape == (32, 96)
+
+
+def test_tp_weights_left_to_fsdp2_round_trip(runs):
+    """A TP weight dmuon does not own (FSDP2 over "dp" on top of the "tp" split) takes the TP full dict and
+    gives it back through DCP into a dp-only model, bit for bit."""
+    want = runs[0]["saved"]["tp"]["model"]
+    for rank, res in enumerate(runs):
+        got = res["undedicated"]
+        assert got["w2_mesh_dims"] == 2, rank
+        for form in ("full", "dcp"):
+            assert sorted(got[form]) == sorted(want), (rank, form)
+            for k, v in want.items():
+                assert torch.equal(got[form][k], v), (rank, form, k)
 
 
 @pytest.mark.parametrize("form", ["full", "dcp"])
