@@ -321,17 +321,20 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         raise RuntimeError("dmuon.dedicate_params needs torch.distributed initialised (dist.init_process_group).")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"dmuon.dedicate_params: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("replicate", "shard"):
-        mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
+    names = tuple(mesh.mesh_dim_names or ())
     tp_mesh = None
-    if mesh.ndim == 2 and replicate_mesh is None and tuple(mesh.mesh_dim_names or ()) == ("dp", "tp"):
+    if replicate_mesh is None and names == ("replicate", "shard", "tp"):  # HSDP x TP
+        mesh, replicate_mesh, tp_mesh = mesh["shard"], mesh["replicate"], mesh["tp"]
+    elif replicate_mesh is None and names == ("replicate", "shard"):
+        mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
+    elif replicate_mesh is None and names == ("dp", "tp"):
         mesh, tp_mesh = mesh["dp"], mesh["tp"]  # tensor parallel: owners over "dp" ([Note: TP update])
     if mesh.ndim != 1:
         raise ValueError(
             f"dmuon.dedicate_params: mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']), a 2-D "
-            f"HSDP mesh with dims named ('replicate', 'shard'), or a 2-D tensor-parallel mesh with dims ('dp', "
-            f"'tp'); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} with dims {mesh.mesh_dim_names} (HSDP with "
-            "tensor parallelism is not supported yet)."
+            f"HSDP mesh with dims named ('replicate', 'shard'), a 2-D tensor-parallel mesh with dims ('dp', "
+            f"'tp'), or a 3-D HSDP x TP mesh with dims ('replicate', 'shard', 'tp'); got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} with dims {mesh.mesh_dim_names}."
         )
     if replicate_mesh is not None and (not isinstance(replicate_mesh, DeviceMesh) or replicate_mesh.ndim != 1):
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")

@@ -92,20 +92,26 @@ def oracle() -> dict:
     return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """Every weight whole on every rank: dedicated shards from their owner (over "dp"), then the DTensor
-    over "tp"; FSDP2's DTensors over "dp"."""
+def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Every weight whole on every rank: dedicated shards from their owner (over the data-parallel ranks of
+    this tp index: ``dp_group``, or dmuon's own group of them), then the DTensor over "tp"; FSDP2's DTensors
+    over "dp" (or HSDP's 2-D mesh)."""
     from torch.distributed.tensor import DTensor
 
+    from dmuon.runtime.comm import Dim
+    from dmuon.runtime.hooks import get_state
+
+    ctx = get_state(model).ctx
     out = {}
     dedicated = dmuon.get_dedicated_params(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in dedicated:
                 shard = p._local_tensor
-                owner = dist.get_global_rank(dp_group, p._dedicated_owner_rank)
+                slot = p._dedicated_owner_rank
+                owner = ctx.global_rank(Dim.WORLD, slot) if dp_group is None else dist.get_global_rank(dp_group, slot)
                 buf = shard.clone() if dist.get_rank() == owner else torch.empty(shard.shape)
-                dist.broadcast(buf, src=owner, group=dp_group)
+                dist.broadcast(buf, src=owner, group=ctx.groups[Dim.WORLD] if dp_group is None else dp_group)
                 parts = [torch.empty_like(buf) for _ in range(TP)]
                 dist.all_gather(parts, buf, group=p.device_mesh.get_group())
                 out[name] = torch.cat(parts, dim=p.placements[0].dim)
@@ -116,22 +122,31 @@ def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup) -> dict[str, to
     return out
 
 
-def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False, accum: int = 1) -> dict:
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False, accum: int = 1,
+           replicate: int = 1) -> dict:
+    """``replicate > 1``: HSDP x TP on the 3-D mesh ("replicate", "shard", "tp")."""
+    if replicate > 1:
+        mesh = init_device_mesh("cpu", (replicate, DP, TP), mesh_dim_names=("replicate", "shard", "tp"))
+        fsdp_mesh = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        fsdp_mesh = mesh["dp"]
     model = _net()
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     dmuon.dedicate_params(model, mesh, _is_matrix, reshard_after_forward=z3)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, ns_backend="direct", adamw_lr=ADAMW_LR,
                      adamw_weight_decay=0.01)
     if per_shard_ns:  # the deliberately wrong variant: NS of each shard by itself, nothing exchanged over "tp"
         import dmuon.optim.muon as muon_module
 
         muon_module.muon_update_tp_ = _per_shard_update
-    dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
+    coord = mesh.get_coordinate()
+    dp_rank = coord[0] * DP + coord[1] if replicate > 1 else coord[0]
+    per = BATCH // (DP * replicate)
     losses, norms = [], []
     dmuon.diagnostics.reset_comm_counts(model)
     for tok, tgt in _batches():
@@ -151,7 +166,7 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
         losses.append(logged.item())
     counts = dmuon.diagnostics.comm_counts(model)
     summary = dmuon.diagnostics.summarize(model, optimizer=opt)
-    return {"losses": losses, "norms": norms, "weights": _full_weights(model, mesh["dp"].get_group()), "counts": counts,
+    return {"losses": losses, "norms": norms, "weights": _full_weights(model), "counts": counts,
             "owned": sorted(dmuon.get_owned_params(model)), "summary": summary.as_dict(), "table": str(summary)}
 
 
@@ -240,6 +255,24 @@ def test_diagnostics_count_the_tp_bytes_and_deal_the_ns(runs):
         assert sum(flops) == pytest.approx(sum(ns_cost(tuple(s)) for s in [(HIDDEN, DIM), (DIM, HIDDEN)]) * len(owners) / 2)
         assert flops[0] == pytest.approx(flops[1])
     assert "tp_exchange expected/measured" in runs[0]["z3"]["table"]
+
+
+def hsdp_tp_job(rank: int, world: int) -> dict:
+    return tp_job(rank, world, replicate=2)
+
+
+def test_hsdp_x_tp_matches_the_oracle_on_8_ranks():
+    """replicate=2 x shard=2 x tp=2: owners over the 4 data-parallel ranks of each tp index, their shard
+    columns keep copies, the update is published over "replicate"; FSDP2 is HSDP over ("replicate", "shard").
+    Z3 only: Z2 = Z3 is the 4-rank runs' check, and 8 processes on 2 CPU cores cost ~20 s a run."""
+    runs = run_distributed(hsdp_tp_job, 2 * DP * TP)
+    ref = oracle()
+    assert_close_to(runs[0], ref, "HSDP 2 x 2 x tp 2, Z3")
+    for got, want in zip(runs[0]["norms"], ref["norms"]):  # the clip norm counts each shard and copy once
+        assert abs(got - want) <= 1e-4 * want, (runs[0]["norms"], ref["norms"])
+    for rank, res in enumerate(runs):
+        assert_bitwise(res, runs[0], f"rank {rank} vs rank 0")
+        assert res["counts"]["replicate_publish"]["elements"] > 0 or not res["owned"], res["counts"]
 
 
 def tp_misuse_job(rank: int, world: int) -> dict:

@@ -173,42 +173,59 @@ class CommContext:
         timeout = _user_timeout(_mesh_device(shard_mesh))
         me = dist.get_rank()
         row = tuple(int(r) for r in shard_mesh.mesh.flatten().tolist())
-        if replicate_mesh is None:
-            grid: tuple[tuple[int, ...], ...] = (row,)
+        col = tuple(int(r) for r in replicate_mesh.mesh.flatten().tolist()) if replicate_mesh is not None else (me,)
+        # Tensor parallelism: one grid of data-parallel ranks per tp index (the ranks whose shard and replicate
+        # meshes cover only part of the world). Every rank learns every grid, so that each creates every group
+        # in the same order: new_group is collective over the default group.
+        views: list[object] = [None] * dist.get_world_size()
+        if len(row) * len(col) == dist.get_world_size() and replicate_mesh is None:
+            views = [(r, row, (r,)) for r in row]  # plain data parallelism: nothing to gather
         else:
-            col = tuple(int(r) for r in replicate_mesh.mesh.flatten().tolist())
-            views: list[object] = [None] * dist.get_world_size()
             dist.all_gather_object(views, (me, row, col))
-            grid = _grid_from_views(views)  # type: ignore[arg-type]
-        r_idx = next(i for i, rr in enumerate(grid) if me in rr)
-        s_idx = grid[r_idx].index(me)
+        grids = _grids_from_views(views)  # type: ignore[arg-type]
         groups: dict[Dim, dist.ProcessGroup | None] = {}
-        if replicate_mesh is None and len(row) < dist.get_world_size():
-            # tensor parallel: one data-parallel row per tp index; every rank creates every row, in order
-            views = [None] * dist.get_world_size()
-            dist.all_gather_object(views, row)
-            for ranks in sorted(set(views)):  # type: ignore[arg-type]
-                g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-                if ranks == row:
-                    groups[Dim.SHARD] = groups[Dim.WORLD] = g
-            groups[Dim.REPLICATE] = None
-            return cls(grid, r_idx, s_idx, groups, _mesh_device(shard_mesh), counter)
-        # new_group is collective over the default group: every rank creates every row and column, in order
-        for r, ranks in enumerate(grid):
-            g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-            if r == r_idx:
-                groups[Dim.SHARD] = g
-        if len(grid) == 1:
-            groups[Dim.REPLICATE] = None
-            groups[Dim.WORLD] = groups[Dim.SHARD]
-        else:
-            for s in range(len(grid[0])):
-                g = dist.new_group(ranks=[grid[r][s] for r in range(len(grid))], backend=backend, timeout=timeout)
-                if s == s_idx:
-                    groups[Dim.REPLICATE] = g
-            groups[Dim.WORLD] = dist.new_group(ranks=[r for rr in grid for r in rr], backend=backend,
-                                               timeout=timeout)
-        return cls(grid, r_idx, s_idx, groups, _mesh_device(shard_mesh), counter)
+        mine: tuple[tuple[int, ...], ...] = ()
+        for grid in grids:
+            made = _new_grid_groups(grid, me, backend, timeout)
+            if made is not None:
+                mine, groups = grid, made
+        r_idx = next(i for i, rr in enumerate(mine) if me in rr)
+        return cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter)
+
+
+def _new_grid_groups(grid: tuple[tuple[int, ...], ...], me: int, backend: str, timeout: Any
+                     ) -> dict[Dim, dist.ProcessGroup | None] | None:
+    """Create the shard rows, replicate columns and world group of one grid, in order (every rank runs this for
+    every grid); the groups of ``me`` if it is in the grid, else ``None``."""
+    r_idx = next((i for i, rr in enumerate(grid) if me in rr), None)
+    groups: dict[Dim, dist.ProcessGroup | None] = {}
+    for r, ranks in enumerate(grid):
+        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+        if r == r_idx:
+            groups[Dim.SHARD] = g
+    if len(grid) == 1:
+        groups[Dim.REPLICATE] = None
+        groups[Dim.WORLD] = groups.get(Dim.SHARD)
+    else:
+        for s in range(len(grid[0])):
+            g = dist.new_group(ranks=[grid[r][s] for r in range(len(grid))], backend=backend, timeout=timeout)
+            if r_idx is not None and grid[r_idx][s] == me:
+                groups[Dim.REPLICATE] = g
+        groups[Dim.WORLD] = dist.new_group(ranks=[r for rr in grid for r in rr], backend=backend, timeout=timeout)
+    return groups if r_idx is not None else None
+
+
+def _grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
+    """The grids of data-parallel ranks (one per tp index; one without TP), in a fixed order, from every rank's
+    (rank, shard-mesh ranks, replicate-mesh ranks); each checked by :func:`_grid_from_views`."""
+    components: list[set[int]] = []  # ranks linked by a shard row or a replicate column: one grid each
+    for _, row, col in views:
+        linked = set(row) | set(col)
+        for c in [c for c in components if c & linked]:
+            components.remove(c)
+            linked |= c
+        components.append(linked)
+    return [_grid_from_views([v for v in views if v[0] in c]) for c in sorted(components, key=min)]
 
 
 def _grid_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
