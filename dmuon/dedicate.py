@@ -117,7 +117,8 @@ def dedicate_params(
             the shard dimension (``hsdp["shard"]``) with ``replicate_mesh``, or one 2-D mesh whose dims
             are named ``("replicate", "shard")``; or, with tensor parallelism, the 2-D mesh with dims
             ``("dp", "tp")`` whose "tp" dimension ``ColwiseParallel`` / ``RowwiseParallel`` split the
-            selected weights over (owners over "dp"; see the README's "Tensor parallelism").
+            selected weights over (owners over "dp"; see the README's "Tensor parallelism"); or both, the
+            3-D mesh ``("replicate", "shard", "tp")`` (HSDP x TP: FSDP2 over ``mesh["replicate", "shard"]``).
         replicate_mesh: HSDP's replicate dimension (``hsdp["replicate"]``). Each dedicated tensor then
             has one owner over all replicate x shard ranks; the ranks of its shard column keep a copy,
             gradients reduce over the shard group then the replicate group, and ``Muon.step()``
