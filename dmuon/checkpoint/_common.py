@@ -119,7 +119,8 @@ def structure_fingerprint(obj: Any) -> str:
 
 def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype,
                       label: str) -> torch.Tensor:
-    """A full tensor that only global rank 0 holds, on every rank (dmuon's group, device buffer)."""
+    """A full tensor that only global rank 0 holds, on every rank (dmuon's group, or under TP the default
+    group: [Note: tensor-parallel state dicts]; device buffer)."""
     if dist.get_rank() == 0:
         assert value is not None
         buf = value.detach().to(state.ctx.device, dtype).clone()
@@ -127,8 +128,8 @@ def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
     if state.tp_mesh is None:
         return C.wait(C.broadcast(state.ctx, buf, rank0_coord(state), CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
-    state.ctx.counter.record(CommKind.CHECKPOINT, buf, "every")  # every row: see [Note: tensor-parallel ...]
-    with record_function(f"dmuon::broadcast[every] ({label})"):
+    state.ctx.counter.record(CommKind.CHECKPOINT, buf, "world")  # every rank, every tp index's row
+    with record_function(f"dmuon::broadcast[world] ({label})"):
         dist.broadcast(buf, src=0)
     return buf
 

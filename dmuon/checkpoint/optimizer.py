@@ -359,7 +359,9 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
 
 def _shard(dp: DedicatedParam, v: Any) -> Any:
     """What the owner keeps of an incoming state tensor: a TP matrix's shard, anything else whole."""
-    return v if dp.tp_dim is None or not isinstance(v, torch.Tensor) else tp_local(v, dp.bound())  # type: ignore[arg-type]
+    if dp.tp_dim is None or not isinstance(v, torch.Tensor):
+        return v
+    return tp_local(v, dp.bound())  # type: ignore[arg-type]
 
 
 def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
