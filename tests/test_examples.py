@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 #: what Python and pytest themselves leave behind; anything else new in the checkout came from an example
-_CACHES = ("__pycache__", ".pytest_cache", ".egg-info", ".git", ".venv")
+_CACHES = ("__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".egg-info", ".git", ".venv")
 
 
 def _checkout_files() -> set[str]:
