@@ -275,6 +275,52 @@ def test_hsdp_x_tp_matches_the_oracle_on_8_ranks():
         assert res["counts"]["replicate_publish"]["elements"] > 0 or not res["owned"], res["counts"]
 
 
+def tp_master_job(rank: int, world: int) -> dict:
+    """A bf16 model, dp=2 x tp=2, with fp32 masters of the owned shards and the reduce in fp32."""
+    from dmuon.runtime.param import local
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = _net().bfloat16()
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    dmuon.dedicate_params(model, mesh, _is_matrix, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, adamw_lr=ADAMW_LR, master_dtype=torch.float32)
+    dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
+    losses = []
+    for tok, tgt in _batches()[:4]:
+        opt.zero_grad()
+        loss = model(tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    owned = dmuon.get_owned_params(model)
+    named = dict(model.named_parameters())
+    out = {"losses": losses, "masters": {}}
+    for name in owned:
+        p, st = named[name], opt.state[named[name]]
+        out["masters"][name] = {"master": st["master"].clone(), "shard": local(p).detach().clone(),
+                                "momentum": st["momentum_buffer"].dtype}
+    return out
+
+
+def test_bf16_tp_shards_keep_fp32_masters():
+    """``master_dtype`` on tensor-parallel shards: each owner tp rank keeps an fp32 master of its shard, the
+    bf16 shard is that master rounded, and the master holds the bits bf16 drops (the updates accumulate
+    there, not in the bf16 shard)."""
+    for res in run_distributed(tp_master_job, DP * TP):
+        assert res["masters"] or not res["losses"], res  # every dp slot owns matrices here
+        for name, m in res["masters"].items():
+            master, shard = m["master"], m["shard"]
+            assert master.dtype == torch.float32 and m["momentum"] == torch.float32, (name, master.dtype)
+            assert master.shape == shard.shape, (name, master.shape, shard.shape)  # the shard's, not the matrix's
+            assert torch.equal(master.to(torch.bfloat16), shard), name
+            # made from the bf16 shard at step 1, the master equals it until updates add bits bf16 drops
+            assert (master - shard.float()).abs().max() > 0, name
+
+
 def tp_misuse_job(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     out = {}

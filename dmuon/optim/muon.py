@@ -338,9 +338,8 @@ class Muon(torch.optim.Optimizer):
     def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
         """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank.
         AdamW params (``adamw_owner`` ones too) have none: ``master_dtype`` is Muon's."""
-        # param_dtype: its own value is the master; tensor-parallel shards: no masters yet
-        if (self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON
-                or dp.tp_dim is not None):
+        # param_dtype: its own value is the master (a tensor-parallel shard's master is its local shard's)
+        if self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON:
             return None
         return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
 
@@ -353,17 +352,16 @@ class Muon(torch.optim.Optimizer):
         """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param
         (a tensor-parallel param's local shard)."""
         p = dp.bound()
-        if dp.tp_dim is not None:
-            return local(p)  # type: ignore[return-value]
+        value = local(p)  # a tensor-parallel param's shard
         if dp.master is not None:
             dp.refresh_master()
             return dp.master
         dtype = self.state_master_dtype(dp)
         if dtype is None:
-            return p
+            return value  # type: ignore[return-value]
         st = self.state[p]
         if "master" not in st:
-            st["master"] = p.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
+            st["master"] = value.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
             dp.master_made_from_param()
         else:
             dp.refresh_master(st["master"])

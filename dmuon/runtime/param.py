@@ -302,20 +302,21 @@ class DedicatedParam:
         See [Note: master weights] in ``dmuon/runtime/precision.py``."""
         master = self.master if master is None else master
         if master is not None and self.param is not None:
-            self.seen_version = refresh_master_(master, self.param, self.seen_version)
+            self.seen_version = refresh_master_(master, local(self.param), self.seen_version)
 
     def write_back(self, master: torch.Tensor | None = None) -> None:
         """Owner: round ``master`` (default :attr:`master`) into the parameter, the compute copy the next
         forward broadcasts."""
         master = self.master if master is None else master
         if master is not None and self.param is not None:
+            value = local(self.param)  # a tensor-parallel param: its shard (the master is the shard's)
             with torch.no_grad():
-                self.param.copy_(master)
-            self.seen_version = self.param._version
+                value.copy_(master)
+            self.seen_version = value._version
 
     def master_made_from_param(self) -> None:
         """Owner: a master was just copied from the parameter, so the two agree now."""
-        self.seen_version = self.bound()._version
+        self.seen_version = local(self.bound())._version
 
     def forget_master_version(self) -> None:
         """New masters were loaded (optimizer state dicts): compare them with the parameter at the next step."""
