@@ -2,8 +2,8 @@
 a dict and whether it is valid (raising together), and moving full tensors to where they live.
 
 [Note: tensor-parallel state dicts]
-Under tensor parallelism dmuon's ``ctx`` is one data-parallel row per tp index, so its "world" is not
-every rank. Everything that must involve every rank goes over the default group instead: the agreement
+Under tensor parallelism dmuon's ``ctx`` is one data-parallel row (HSDP x TP: one replicate x shard
+grid) per tp index, so its "world" is not every rank. Everything that must involve every rank goes over the default group instead: the agreement
 on the mode (:func:`detect_mode`), rank 0's tensors and metadata in rank-0 mode (:func:`bcast_from_rank0`,
 :func:`bcast_object_from_rank0`; rank 0's own row is never enough) and the checksums' sums. A TP matrix
 is whole in full dicts (each row broadcasts its owner's shard, then :func:`gather_tp` concatenates the
@@ -71,7 +71,7 @@ def tp_rank(state: DMuonState) -> int | None:
 
 def gather_views(state: DMuonState, obj: object) -> list[object]:
     """Every rank's ``obj``: dmuon's world, or under TP the default group (every row)."""
-    return C.all_gather_object(state.ctx, obj) if state.tp_mesh is None else C.all_gather_default(obj)
+    return C.all_gather_object(state.ctx, obj, every_rank=state.tp_mesh is not None)
 
 
 def detect_mode(state: DMuonState, what: str, has_dict: bool, local_errors: list[str], fingerprint: str) -> Mode:
