@@ -10,6 +10,7 @@ single-process oracle (``torch.optim.Muon`` + ``torch.optim.AdamW``). Skipped wi
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,14 @@ import torch.distributed as dist  # noqa: E402
 import dmuon  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests.test_torchtitan import (  # noqa: E402
-    ATTENTION, GLOBAL_BATCH, HP, LOSS_RTOL, MAX_NORM, NORM_RTOL, STEPS, WARMUP, WEIGHT_RTOL, _cpu_torchtitan, _edit,
-    _loss_fn, _param_group_configs, _rel, batch, tiny_llama3_config, train_oracle,
+    ATTENTION, GLOBAL_BATCH, HP, LOSS_RTOL, MAX_NORM, NORM_RTOL, SAVE_AT, STEPS, WARMUP, WEIGHT_RTOL, TrainState,
+    _cpu_torchtitan, _edit, _loss_fn, _param_group_configs, _rel, batch, tiny_llama3_config, train_oracle,
 )
 
 TP = 2
 
 
-def _build(world: int, dump_folder: str) -> tuple[Any, Any, Any, Any]:
+def _build(world: int, dump_folder: str, *, seed: int) -> tuple[Any, Any, Any, Any]:
     """Model, optimizers, LR schedulers and ParallelDims as ``Trainer.__init__`` builds them, with
     ``tensor_parallel_degree=TP`` (the Trainer's ``update_from_config`` sets the model's sharding config)."""
     from torchtitan.components.optimizer import LRSchedulersContainer
@@ -63,7 +64,7 @@ def _build(world: int, dump_folder: str) -> tuple[Any, Any, Any, Any]:
         dump_folder=dump_folder,
     )
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
@@ -74,45 +75,33 @@ def _build(world: int, dump_folder: str) -> tuple[Any, Any, Any, Any]:
     return model, optimizers, lr_schedulers, parallel_dims
 
 
-def _full_weights(model: torch.nn.Module, parallel_dims: Any) -> dict[str, torch.Tensor]:
-    """Every weight whole, under torchtitan's canonical names (TP state dicts are not there yet): a dedicated
-    matrix from its owner's dp slot (its shard broadcast over "fsdp", then gathered over "tp"), FSDP2's
-    (dp, tp) DTensors through ``full_tensor``."""
-    from torch.distributed.tensor import DTensor
-    from torchtitan.components.checkpointer.utils import canonical_fqn
-
-    dp_group = parallel_dims.get_mesh("fsdp").get_group()
-    dedicated = {id(p) for p in dmuon.get_dedicated_params(model).values()}
-    out = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if id(p) in dedicated:  # (named_parameters spells activation-checkpoint wrappers out)
-                shard = p._local_tensor
-                owner = dist.get_global_rank(dp_group, p._dedicated_owner_rank)
-                buf = shard.clone() if dist.get_rank() == owner else torch.empty(shard.shape)
-                dist.broadcast(buf, src=owner, group=dp_group)
-                parts = [torch.empty_like(buf) for _ in range(TP)]
-                dist.all_gather(parts, buf, group=p.device_mesh.get_group())
-                value = torch.cat(parts, dim=p.placements[0].dim)
-            else:
-                value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            out[canonical_fqn(name)] = value.clone()
-    return out
-
-
-def tp_job(rank: int, world: int, root: str) -> dict:
+def tp_job(rank: int, world: int, root: str, *, checkpoint: bool = False, load_step: int | None = None) -> dict:
     """STEPS steps of ``Trainer.train_step`` on a dp x tp grid: each dp slot takes its slice of the global
-    batch, its tp ranks the same slice; the loss is logged over the dp ranks."""
+    batch, its tp ranks the same slice; the loss is logged over the dp ranks. ``checkpoint``: torchtitan's
+    CheckpointManager (``DMuonCheckpointManager``) saves every SAVE_AT steps; ``load_step``: fresh processes
+    with another init restore that step first and train the remaining steps."""
     from torchtitan.distributed import utils as tt_dist_utils
 
-    model, optimizers, lr_schedulers, parallel_dims = _build(world, root)
+    from dmuon.integrations import torchtitan as dmuon_tt
+
+    model, optimizers, lr_schedulers, parallel_dims = _build(world, root, seed=0 if load_step is None else 123)
     dp_mesh = parallel_dims.get_mesh("fsdp")
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     per = GLOBAL_BATCH // dp
-    out: dict[str, Any] = {"init": _full_weights(model, parallel_dims), "losses": [], "norms": [],
-                           "dedicated": sorted(dmuon.get_dedicated_params(model)),
-                           "tp": {n: str(p.placements) for n, p in dmuon.get_dedicated_params(model).items()}}
-    for step in range(1, STEPS + 1):
+    dedicated = dmuon.get_dedicated_params(model)
+    out: dict[str, Any] = {"init": dmuon.get_model_state_dict(model), "losses": [], "norms": [],
+                           "tp": {n: str(p.placements) for n, p in dedicated.items()}}
+    train_state = TrainState()
+    checkpointer = dmuon_tt.DMuonCheckpointManager.Config(
+        enable=checkpoint or load_step is not None, folder="checkpoint", interval=SAVE_AT, keep_latest_k=0,
+        last_save_model_only=False, initial_load_model_only=False,
+    ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+            states={"train_state": train_state}, sd_adapter=None, base_folder=root)
+    if load_step is not None:
+        assert checkpointer.load(step=load_step) and train_state.step == load_step
+    while train_state.step < STEPS:
+        train_state.step += 1
+        step = train_state.step
         tok, tgt = batch(step)
         tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
         _edit([g for g in optimizers.muon.param_groups if g["name"] == ATTENTION], step)
@@ -123,11 +112,14 @@ def tp_job(rank: int, world: int, root: str) -> dict:
                                              ep_enabled=False)
         optimizers.step()
         lr_schedulers.step()
+        if step <= SAVE_AT:  # the one save the resumed run needs (saves cost seconds on this CPU)
+            checkpointer.save(step)
         logged = loss.detach().clone()
         dist.all_reduce(logged, group=dp_mesh.get_group())  # local sum / global tokens, over dp: the mean
         out["losses"].append(logged.item())
         out["norms"].append(norm.item())
-    out["final"] = _full_weights(model, parallel_dims)
+    checkpointer.close()
+    out["final"] = dmuon.get_model_state_dict(model)
     return out
 
 
@@ -137,7 +129,7 @@ def _check_against_oracle(runs: list[dict]) -> dict[str, float]:
     got = runs[0]
     for r in runs[1:]:
         assert r["losses"] == got["losses"] and r["norms"] == got["norms"]
-    assert got["dedicated"] and set(got["tp"].values()) == {"(Shard(dim=0),)", "(Shard(dim=1),)"}, got["tp"]
+    assert set(got["tp"].values()) == {"(Shard(dim=0),)", "(Shard(dim=1),)"}, got["tp"]
     oracle = train_oracle(got["init"])
     loss = [abs(a - b) / b for a, b in zip(got["losses"], oracle["losses"], strict=True)]
     norm = [abs(a - b) / b for a, b in zip(got["norms"], oracle["norms"], strict=True)]
@@ -151,11 +143,35 @@ def _check_against_oracle(runs: list[dict]) -> dict[str, float]:
     return {"loss": max(loss), "norm": max(norm), "weight": rel[worst], "floor": floor}
 
 
-@pytest.mark.parametrize("world", [TP, 2 * TP], ids=["dp1xtp2", "dp2xtp2"])
-def test_tensor_parallel_matches_single_process_oracle(world: int, tmp_path: Path) -> None:
-    """dp=1 x tp=2 (2 gloo ranks) and dp=2 x tp=2 (4): every block matrix is dedicated as a pair of TP shards."""
-    runs = run_distributed(tp_job, world, str(tmp_path))
-    print(world, _check_against_oracle(runs))
+@pytest.fixture(scope="module")
+def dp1xtp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """dp=1 x tp=2 on 2 gloo ranks, saving at SAVE_AT through torchtitan's CheckpointManager; then fresh
+    processes resuming from that step."""
+    root = str(tmp_path_factory.mktemp("torchtitan_tp"))
+    full = run_distributed(functools.partial(tp_job, checkpoint=True), TP, root)
+    resumed = run_distributed(functools.partial(tp_job, load_step=SAVE_AT), TP, root)
+    return {"full": full, "resumed": resumed}
+
+
+def test_dp1xtp2_matches_single_process_oracle(dp1xtp2: dict[str, list[dict]]) -> None:
+    """dp=1 x tp=2: every block matrix is dedicated as a pair of TP shards on the one dp slot."""
+    print(_check_against_oracle(dp1xtp2["full"]))
+
+
+def test_dp2xtp2_matches_single_process_oracle(tmp_path: Path) -> None:
+    """dp=2 x tp=2 (4 gloo ranks): owners over dp, each matrix's shards on both tp ranks of its owner slot."""
+    print(_check_against_oracle(run_distributed(tp_job, 2 * TP, str(tmp_path))))
+
+
+def test_resume_from_torchtitan_checkpoint_is_bitwise(dp1xtp2: dict[str, list[dict]]) -> None:
+    """Restart from torchtitan's DCP checkpoint (model through dmuon's sharded TP dicts, the container's
+    optimizer state, LR schedule, step): the remaining steps repeat bit for bit."""
+    for full, resumed in zip(dp1xtp2["full"], dp1xtp2["resumed"], strict=True):
+        assert resumed["losses"] == full["losses"][SAVE_AT:]
+        assert resumed["norms"] == full["norms"][SAVE_AT:]
+        assert any(not torch.equal(resumed["init"][k], v) for k, v in full["init"].items())  # the load did it
+        for key, value in full["final"].items():
+            assert torch.equal(resumed["final"][key], value), key
 
 
 def test_tensor_parallel_settings_dmuon_cannot_honour_are_refused() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer.utils import canonical_fqn
 
 
@@ -45,6 +46,14 @@ def _split_fused_qkv(model: nn.Module, state_dict: dict[str, Any]) -> None:
         type(module)._split_qkv_on_save(module, state_dict, prefix, {})
 
 
-def _merge_fused_qkv(model: nn.Module, state_dict: dict[str, Any]) -> None:
+def _merge_fused_qkv(model: nn.Module, state_dict: dict[str, Any], *, like: dict[str, Any]) -> None:
+    """torchtitan's merge of ``wq``/``wk``/``wv`` into ``wqkv``, each result placed as its entry in ``like``
+    (the live sharded dict): torchtitan merges tensor-parallel shards as a Replicate DTensor over "tp",
+    and dmuon loads a TP matrix from its own shard (Replicate to Shard is a local slice)."""
     for prefix, module in _fused_qkv_modules(model):
         type(module)._merge_qkv_on_load(module, state_dict, prefix)
+        for param in ("weight", "bias"):
+            key, want = f"{prefix}wqkv.{param}", like.get(f"{prefix}wqkv.{param}")
+            got = state_dict.get(key)
+            if isinstance(got, DTensor) and isinstance(want, DTensor) and got.placements != want.placements:
+                state_dict[key] = got.redistribute(want.device_mesh, want.placements)

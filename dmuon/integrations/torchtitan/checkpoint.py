@@ -56,18 +56,19 @@ class DMuonModelWrapper(ModelWrapper):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for model in self.model:
             if _has_dmuon(model):
+                live = dmuon.get_model_state_dict(model, sharded=True, checksums=False)
                 # the checkpoint dict also carries optimizer / scheduler / dataloader entries
-                ours = {k: state_dict[k] for k in self._keys_of(model) if k in state_dict}
-                _merge_fused_qkv(model, ours)
+                ours = {k: state_dict[k] for k in self._keys_of(model, live) if k in state_dict}
+                _merge_fused_qkv(model, ours, like=live)
                 dmuon.set_model_state_dict(model, ours)
             else:
                 model.load_state_dict(state_dict, strict=False)
         self.cached_state_dict = self._get_state_dict()
 
     @staticmethod
-    def _keys_of(model: nn.Module) -> list[str]:
-        """This rank's checkpoint keys for ``model`` (no tensor data is read)."""
-        keys = dict.fromkeys(dmuon.get_model_state_dict(model, sharded=True, checksums=False))
+    def _keys_of(model: nn.Module, live: dict[str, Any]) -> list[str]:
+        """This rank's checkpoint keys for ``model``, whose sharded dict is ``live`` (no tensor data is read)."""
+        keys = dict.fromkeys(live)
         keys[CHECKSUMS_KEY] = None
         for prefix, _ in _fused_qkv_modules(model):
             for param in ("weight", "bias"):
