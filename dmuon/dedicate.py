@@ -252,7 +252,7 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
     modules = dict(model.named_modules(remove_duplicate=False))
     selected, replicated = _select(modules, predicate, route, config.param_dtype)
     for s in selected:
-        _check_tensor_parallel(s, tp_mesh, config)
+        _check_tensor_parallel(s, tp_mesh)
     boundary_of = {
         s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
         for s in selected
@@ -273,7 +273,7 @@ def _plan_shape(s: _Selected) -> tuple[int, int]:
     return 1, int(shape.numel())
 
 
-def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None, config: RuntimeConfig) -> None:
+def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None) -> None:
     """A selected DTensor must be a Muon matrix split evenly by rows or columns over the "tp" mesh."""
     from torch.distributed.tensor import Shard
 
@@ -290,8 +290,6 @@ def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None, config: Run
     dim = p.placements[0].dim  # type: ignore[union-attr]
     if p.shape[dim] % tp_mesh.size():
         raise ValueError(f"{where} whose dim {dim} ({p.shape[dim]}) does not split evenly over {tp_mesh.size()} tp ranks.")
-    if config.param_dtype is not None:
-        raise ValueError(f"{where}: param_dtype with tensor parallelism is not supported yet.")
 
 
 def _agree(error: str | None, fingerprint: str | None) -> None:

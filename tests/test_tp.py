@@ -10,6 +10,7 @@ Muon orthogonalises each shard by itself (the design the issue rules out) must m
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -276,59 +277,78 @@ def test_hsdp_x_tp_matches_the_oracle_on_8_ranks():
 
 
 def tp_master_job(rank: int, world: int) -> dict:
-    """A bf16 model, dp=2 x tp=2, with fp32 masters of the owned shards and the reduce in fp32."""
+    """dp=2 x tp=2 in both mixed-precision forms: a bf16 model with fp32 masters of the owned shards
+    (``master_dtype``), and an fp32 model computing in bf16 (``param_dtype``, FSDP2's MixedPrecisionPolicy
+    alike); the reduce in fp32 in both."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dmuon.runtime.hooks import get_state
     from dmuon.runtime.param import local
 
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = _net().bfloat16()
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    dmuon.dedicate_params(model, mesh, _is_matrix, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, adamw_lr=ADAMW_LR, master_dtype=torch.float32)
-    dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
-    losses = []
-    for tok, tgt in _batches()[:4]:
-        opt.zero_grad()
-        loss = model(tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    owned = dmuon.get_owned_params(model)
-    named = dict(model.named_parameters())
-    out = {"losses": losses, "masters": {}}
-    for name in owned:
-        p, st = named[name], opt.state[named[name]]
-        out["masters"][name] = {"master": st["master"].clone(), "shard": local(p).detach().clone(),
-                                "momentum": st["momentum_buffer"].dtype}
+    out = {}
+    for form in ("master_dtype", "param_dtype"):
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        model = _net().bfloat16() if form == "master_dtype" else _net()
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        pd = torch.bfloat16 if form == "param_dtype" else None
+        dmuon.dedicate_params(model, mesh, _is_matrix, param_dtype=pd, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+        opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, adamw_lr=ADAMW_LR,
+                         master_dtype=torch.float32 if form == "master_dtype" else None)
+        dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
+        losses = []
+        for tok, tgt in _batches()[:4]:
+            opt.zero_grad()
+            loss = model(tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        named = dict(model.named_parameters())
+        dps = {dp.fqn: dp for dp in get_state(model).dedicated()}
+        res = {"losses": losses, "masters": {}}
+        for name in dmuon.get_owned_params(model):
+            p, st = named[name], opt.state[named[name]]
+            master = st["master"] if form == "master_dtype" else dps[name].master
+            res["masters"][name] = {"master": master.clone(), "shard": local(p).detach().clone(),
+                                    "momentum": st["momentum_buffer"].dtype, "param": (type(p).__name__, p.dtype)}
+        out[form] = res
     return out
 
 
-def test_bf16_tp_shards_keep_fp32_masters():
-    """``master_dtype`` on tensor-parallel shards: each owner tp rank keeps an fp32 master of its shard, the
-    bf16 shard is that master rounded, and the master holds the bits bf16 drops (the updates accumulate
-    there, not in the bf16 shard)."""
+def test_tp_shards_keep_fp32_masters_in_both_mixed_precision_forms():
+    """Each owner tp rank keeps an fp32 master of its bf16 shard (optimizer state under ``master_dtype``, the
+    param's own value under ``param_dtype``); the bf16 shard is that master rounded, and the master holds the
+    bits bf16 drops (the updates accumulate there, not in the bf16 shard)."""
     for res in run_distributed(tp_master_job, DP * TP):
-        assert res["masters"] or not res["losses"], res  # every dp slot owns matrices here
-        for name, m in res["masters"].items():
-            master, shard = m["master"], m["shard"]
-            assert master.dtype == torch.float32 and m["momentum"] == torch.float32, (name, master.dtype)
-            assert master.shape == shard.shape, (name, master.shape, shard.shape)  # the shard's, not the matrix's
-            assert torch.equal(master.to(torch.bfloat16), shard), name
-            # made from the bf16 shard at step 1, the master equals it until updates add bits bf16 drops
-            assert (master - shard.float()).abs().max() > 0, name
+        for form, r in res.items():
+            assert r["masters"] and all(math.isfinite(v) for v in r["losses"]), (form, r)
+            for name, m in r["masters"].items():
+                master, shard = m["master"], m["shard"]
+                assert m["param"] == ("DTensor", torch.bfloat16), (form, name, m["param"])
+                assert master.dtype == torch.float32 and m["momentum"] == torch.float32, (form, name)
+                assert master.shape == shard.shape, (form, name, master.shape)  # the shard's, not the matrix's
+                assert torch.equal(master.to(torch.bfloat16), shard), (form, name)
+                # a master made from a bf16 value equals it until updates add bits bf16 drops
+                assert (master - shard.float()).abs().max() > 0, (form, name)
 
 
 def tp_misuse_job(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     out = {}
     for case, kwargs in {"one_d_mesh": {"mesh": init_device_mesh("cpu", (world,))},
-                         "param_dtype": {"mesh": mesh, "param_dtype": torch.bfloat16}}.items():
+                         "replicated": {"mesh": mesh}}.items():
         model = _net()
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        if case == "replicated":  # a DTensor over "tp" that is not split: not a TP matrix dmuon can own
+            w = model.layers[0].w1.weight
+            model.layers[0].w1.weight = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh["tp"], [Replicate()]))
         try:
             dmuon.dedicate_params(model, predicate=_is_matrix, **kwargs)
             out[case] = None
@@ -337,7 +357,7 @@ def tp_misuse_job(rank: int, world: int) -> dict:
     return out
 
 
-def test_tp_weights_need_the_dp_tp_mesh_and_no_param_dtype():
+def test_tp_weights_need_the_dp_tp_mesh_and_a_row_or_column_split():
     for res in run_distributed(tp_misuse_job, 2):
         assert "is a DTensor" in res["one_d_mesh"] and "('dp', 'tp')" in res["one_d_mesh"], res
-        assert "param_dtype with tensor parallelism is not supported yet" in res["param_dtype"], res
+        assert "placed (Replicate(),)" in res["replicated"] and "ColwiseParallel" in res["replicated"], res

@@ -166,6 +166,9 @@ class DedicatedParam:
         self.handles.clear()
         self.disarm_stash()
         if isinstance(p, DTensor):  # tensor parallel: the local shard lives in the bucket (``.data`` would not alias)
+            if p.dtype != view.dtype:  # param_dtype: the wrapper's dtype follows its new local shard's
+                p.data = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
             p._local_tensor = view
         else:
             p.data = view
