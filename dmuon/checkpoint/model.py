@@ -19,6 +19,7 @@ from ..runtime.param import DedicatedParam, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
+    as_tp_dtensor,
     bcast_from_rank0,
     detect_mode,
     gather_tp,
@@ -47,11 +48,18 @@ class _Entry:
     tensor: torch.Tensor  # the live parameter / buffer / state tensor (a dedicated param's master if any)
     kind: _Kind
     dp: DedicatedParam | None = None
+    #: a tensor-parallel matrix: its live DTensor over "tp" (``tensor`` is that or this rank's master shard)
+    layout: DTensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype state dicts hold: a dedicated param's own dtype even where it is a compute copy."""
         return self.dp.dtype if self.dp is not None else self.tensor.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape state dicts hold: a TP matrix's whole shape."""
+        return self.layout.shape if self.layout is not None else self.tensor.shape
 
 
 def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
@@ -60,7 +68,8 @@ def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
     for key, t in state.model.state_dict(keep_vars=True).items():  # the module a DDP wrapper holds
         if id(t) in dedicated:
             dp = dedicated[id(t)]
-            entries.append(_Entry(key, dp.master if dp.master is not None else t, _Kind.DEDICATED, dp))
+            layout = t if dp.tp_dim is not None else None
+            entries.append(_Entry(key, dp.master if dp.master is not None else t, _Kind.DEDICATED, dp, layout))
         elif isinstance(t, DTensor):
             entries.append(_Entry(key, t, _Kind.DTENSOR))
         else:
@@ -107,7 +116,9 @@ def get_model_state_dict(
         for e in entries:
             mine = e.dp is not None and e.dp.owner == ctx.rank
             if sharded:
-                if e.kind is not _Kind.DEDICATED or mine:
+                if e.layout is not None and mine:  # (a master shard: as a DTensor too, for its offsets)
+                    out[e.key] = as_tp_dtensor(local(e.tensor), e.layout)  # type: ignore[arg-type]
+                elif e.kind is not _Kind.DEDICATED or mine:
                     out[e.key] = e.tensor.detach()
                 continue
             if e.kind is _Kind.DEDICATED:
@@ -142,7 +153,7 @@ def _items(entries: list[_Entry]) -> list[Item]:
     out = []
     for e in entries:
         if e.kind is _Kind.DEDICATED and e.dp is not None:
-            out.append(Item(e.key, e.dp.owner, e.tensor if e.dp.tp_dim is not None else None))
+            out.append(Item(e.key, e.dp.owner, e.layout))
         else:
             out.append(Item(e.key, None, e.tensor))
     return out
@@ -181,8 +192,8 @@ def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) 
         v = sd[k]
         if not isinstance(v, torch.Tensor):
             shapes.append(f"{k} (not a tensor: {type(v).__name__})")
-        elif tuple(v.shape) != tuple(e.tensor.shape):
-            shapes.append(f"{k} {tuple(v.shape)} != {tuple(e.tensor.shape)}")
+        elif tuple(v.shape) != tuple(e.shape):
+            shapes.append(f"{k} {tuple(v.shape)} != {tuple(e.shape)}")
         elif v.dtype != e.dtype:
             dtypes.append(f"{k} {v.dtype} != {e.dtype}")
     errors = []
@@ -206,12 +217,12 @@ def _load_dedicated(state: DMuonState, e: _Entry, sd: Mapping[str, Any], mode: M
     elif rank0_owns(state, dp.owner):
         value = sd.get(e.key)
     else:
-        value = bcast_from_rank0(state, sd.get(e.key), e.tensor.shape, e.dtype, e.key)
+        value = bcast_from_rank0(state, sd.get(e.key), e.shape, e.dtype, e.key)
     if not mine:
         return
-    if dp.tp_dim is not None:
+    if e.layout is not None:
         target = local(e.tensor)
-        value = tp_local(value, e.tensor)  # type: ignore[arg-type]
+        value = tp_local(value, e.layout)  # type: ignore[arg-type]
     else:
         target = e.tensor
     if not same_storage(value, target):  # type: ignore[arg-type]
