@@ -1,12 +1,16 @@
 """The "torchtitan" integration recipe, runnable as is.
 
-    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py            # FSDP over 2 ranks
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --tp 2     # tensor parallel, dp=1 x tp=2
+    torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --tp 2     # dp=2 x tp=2
 
 torchtitan's debug Llama 3 (``llama3_configs["debugmodel"]``: fused QKV, complex RoPE) goes through
 torchtitan's own components, wired the way its Trainer wires them, with dmuon plugged in at three points:
 
 1. ``with_dmuon(parallelize_llama)``: dmuon dedicates the blocks' matrices, then torchtitan's FSDP2 path
-   (``apply_fsdp_to_decoder`` -> ``fully_shard``) shards everything else;
+   (``apply_fsdp_to_decoder`` -> ``fully_shard``) shards everything else; with ``--tp N``
+   (``parallelism.tensor_parallel_degree``) torchtitan's own TP plan splits the model first and dmuon
+   dedicates the TP-sharded matrices right after it (owners over the data-parallel ranks);
 2. ``DMuonOptimizersContainer.Config(...)`` where torchtitan builds its optimizers (Muon on the owned
    matrices, AdamW for the rest), driven by torchtitan's ``LRSchedulersContainer``;
 3. ``DMuonCheckpointManager.Config(...)`` where torchtitan builds its DCP checkpointer.
@@ -21,8 +25,8 @@ causal SDPA instead of torchtitan's default flex attention (which has no CPU bac
 torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible); by default only
 2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU) and the model computes in fp32 instead
 of torchtitan's default bf16 (bf16 matmuls are slow on CPU too; ``--mixed-precision-param bfloat16`` turns
-it on). The checkpoint goes to a temporary folder unless ``--out`` is given. Exits non-zero if the loss did
-not decrease.
+it on; with ``--tp`` dmuon needs it off, since it does not cast TP matrices yet). The checkpoint goes to a
+temporary folder unless ``--out`` is given. Exits non-zero if the loss did not decrease.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ try:
     from torchtitan.distributed import utils as tt_dist_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 except ImportError as e:
     sys.exit(f"torchtitan_dmuon: needs the [torchtitan] extra (torchtitan 0.3.0, triton): "
              f"pip install torch==2.13.0 -e \".[torchtitan]\" (missing: {(e.name or str(e)).split('.')[0]})")
@@ -85,6 +90,7 @@ def main() -> int:
                         help="layers of the debug model (default: all 6 on CUDA, 2 on CPU)")
     parser.add_argument("--mixed-precision-param", choices=("bfloat16", "float32"), default=None,
                         help="torchtitan's training.mixed_precision_param (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--tp", type=int, default=1, help="parallelism.tensor_parallel_degree (divides the ranks)")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
     args = parser.parse_args()
@@ -100,10 +106,12 @@ def main() -> int:
     tt_dist_utils.set_spmd_backend("partial_dtensor")
 
     # torchtitan: meshes and the debug model, built on the meta device
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # dmuon keeps some params whole
+    # "partial_dtensor": dmuon keeps some params whole, the other backends want every param a DTensor
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=args.tp)
     # torchtitan's mixed precision (fp32 weights, bf16 compute, fp32 gradient reduce) covers the dedicated
-    # matrices too; on CPU the default is fp32 compute, since bf16 matmuls are slow there
-    mp_param = args.mixed_precision_param or ("bfloat16" if use_cuda else "float32")
+    # matrices too; on CPU the default is fp32 compute, since bf16 matmuls are slow there, and with --tp
+    # too, since dmuon does not cast tensor-parallel matrices yet
+    mp_param = args.mixed_precision_param or ("bfloat16" if use_cuda and args.tp == 1 else "float32")
     training = TrainingConfig(mixed_precision_param=mp_param, disable_cuda_graphs=True, steps=args.steps)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
@@ -112,6 +120,10 @@ def main() -> int:
     model_config.layers = model_config.layers[:n_layers]
     for layer in model_config.layers:  # causal SDPA: runs on CPU too (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    # what the Trainer's model_config.update_from_config does: the TP plan (used only when tp > 1)
+    set_llama3_sharding_config(model_config, enable_sp=parallelism.enable_sequence_parallel)
+    dp_mesh = parallel_dims.get_mesh("fsdp")  # this rank's data-parallel group (its tp ranks share the batch)
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     with torch.device("meta"):
         model = model_config.build()
 
@@ -141,17 +153,17 @@ def main() -> int:
             states={}, sd_adapter=None, base_folder=base_folder)
     if rank == 0:
         dedicated = dmuon.get_dedicated_params(model)
-        print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {world} ranks, "
-              f"{len(dmuon.get_owned_params(model))} on rank 0", flush=True)
+        print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {dp} data-parallel x {args.tp} "
+              f"tensor-parallel ranks, {len(dmuon.get_owned_params(model))} on rank 0", flush=True)
 
     loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
     vocab = model_config.vocab_size
     losses: list[float] = []
     for step in range(1, args.steps + 1):
-        tok, tgt = markov_batch(step, BATCH_PER_RANK * world, vocab)
-        tok = tok[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].to(device)
-        tgt = tgt[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].to(device)
-        global_valid_tokens = torch.tensor(tgt.numel() * world, device=device)
+        tok, tgt = markov_batch(step, BATCH_PER_RANK * dp, vocab)
+        tok = tok[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
+        tgt = tgt[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
+        global_valid_tokens = torch.tensor(tgt.numel() * dp, device=device)
         optimizers.zero_grad()
         loss, _ = loss_fn(model(tok), tgt, global_valid_tokens)  # local sum / global token count
         loss.backward()
@@ -161,7 +173,7 @@ def main() -> int:
         checkpointer.save(step, last_step=step == args.steps)
 
         logged = loss.detach().clone()
-        dist.all_reduce(logged)  # the per-rank parts add up to the global mean
+        dist.all_reduce(logged, group=dp_mesh.get_group())  # the dp ranks' parts add up to the global mean
         losses.append(logged.item())
         if rank == 0:
             print(f"step {step:>2}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.4f}", flush=True)
