@@ -336,6 +336,49 @@ def test_tp_shards_keep_fp32_masters_in_both_mixed_precision_forms():
                 assert (master - shard.float()).abs().max() > 0, (form, name)
 
 
+def tp_guard_job(rank: int, world: int) -> dict:
+    """After a step (Z3): what reading a tensor-parallel matrix does on a rank of the other dp slot."""
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = _net()
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    dmuon.dedicate_params(model, mesh, _is_matrix)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR)
+    tok, tgt = _batches()[0]
+    model(tok, tgt).backward()
+    opt.step()
+    owned = set(dmuon.get_owned_params(model))
+    name = next(n for n in dmuon.get_dedicated_params(model) if n not in owned)
+    w = dict(model.named_parameters())[name]
+    out = {"name": name, "meta": (tuple(w.shape), w.dtype, str(w.placements), isinstance(w, nn.Parameter)),
+           "repr": repr(w)}
+    for op, fn in {"sum": lambda: w.sum(), "full_tensor": lambda: w.full_tensor(), "to_local": lambda: w.to_local(),
+                   "matmul": lambda: torch.randn(3, DIM) @ w.mT if w.shape[1] == DIM else w @ torch.randn(HIDDEN, 3)
+                   }.items():
+        try:
+            fn()
+            out[op] = None
+        except dmuon.NotHeldError as e:
+            out[op] = str(e)
+    model(tok, tgt).backward()  # and training goes on: the class comes back for the forward
+    opt.step()
+    return out
+
+
+def test_reading_an_unheld_tp_matrix_raises_instead_of_reading_freed_memory():
+    """A rank of the other dp slot holds no bytes of the matrix between steps; its DTensor refuses value
+    reads with NotHeldError (metadata and repr still work), as plain dedicated params do."""
+    for res in run_distributed(tp_guard_job, DP * TP):
+        shape, dtype, placements, is_param = res["meta"]
+        assert is_param and dtype == torch.float32 and placements in ("(Shard(dim=0),)", "(Shard(dim=1),)"), res
+        assert res["name"] in res["repr"] and "not by this rank" in res["repr"], res["repr"]
+        for op in ("sum", "full_tensor", "to_local", "matmul"):
+            assert res[op] is not None and res["name"] in res[op] and "does not hold" in res[op], (op, res)
+
+
 def tp_misuse_job(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Replicate, distribute_tensor
 

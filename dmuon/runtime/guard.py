@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["NotHeldError", "UnheldParameter", "internal", "set_held", "describe", "guard_modules"]
+__all__ = ["NotHeldError", "UnheldParameter", "UnheldDTensor", "internal", "set_held", "describe", "guard_modules"]
 
 #: Attribute with ``(fqn, owner's global rank)`` on every bound dedicated parameter, for messages.
 INFO_ATTR = "_dmuon_info"
@@ -117,7 +118,7 @@ def _op_name(func: Any) -> str:
 
 def _first_unheld(args: Any) -> torch.Tensor | None:
     for a in args:
-        if isinstance(a, UnheldParameter):
+        if isinstance(a, (UnheldParameter, UnheldDTensor)):
             return a
         if isinstance(a, (list, tuple)):
             hit = _first_unheld(a)
@@ -135,29 +136,66 @@ def _message(func: Any, p: torch.Tensor | None) -> str:
             "encloses every use.")
 
 
+def _refuse_values(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """The guard of both unheld classes: metadata through, ``repr`` described, anything else refused."""
+    kwargs = kwargs or {}
+    if func in _METADATA or _is_internal():
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",)):
+        return describe(args[0])
+    raise NotHeldError(_message(func, _first_unheld(args)))
+
+
 class UnheldParameter(nn.Parameter):
     """A dedicated parameter on a rank that holds no copy of it right now. See [Note: unheld parameters]."""
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _METADATA or _is_internal():
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",)):
-            return describe(args[0])
-        raise NotHeldError(_message(func, _first_unheld(args)))
+        return _refuse_values(func, args, kwargs)
+
+
+class UnheldDTensor(DTensor):
+    """A tensor-parallel dedicated parameter (an ``nn.Parameter`` whose class is ``DTensor``) whose local shard
+    this rank does not hold right now: the same guard as :class:`UnheldParameter`. Methods that read values,
+    ``full_tensor()``, ``redistribute()``, ``to_local()``, run torch functions on it and are refused."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _refuse_values(func, args, kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # DTensor's own formats the empty local shard
+        return describe(self)
+
+    # DTensor's methods that read the local shard in Python, not through a torch function (an
+    # autograd.Function's apply bypasses __torch_function__): a collective on 0 bytes of storage crashes
+    def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded(DTensor.full_tensor, args, kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded(DTensor.redistribute, args, kwargs)
+
+    def to_local(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded(DTensor.to_local, args, kwargs)
+
+    def _guarded(self, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        if _is_internal():
+            return method(self, *args, **kwargs)
+        raise NotHeldError(_message(method, self))
 
 
 def set_held(p: nn.Parameter, held: bool) -> None:
-    """Mark ``p`` as holding its values (plain ``nn.Parameter``) or not (:class:`UnheldParameter`).
+    """Mark ``p`` as holding its values (plain ``nn.Parameter`` / ``DTensor``) or not (:class:`UnheldParameter`
+    / :class:`UnheldDTensor`).
 
-    Only exact ``nn.Parameter`` / ``UnheldParameter`` objects are switched; another subclass is left alone."""
+    Only those exact classes are switched; another subclass is left alone."""
     cls = type(p)
-    if held and cls is UnheldParameter:
-        p.__class__ = nn.Parameter
+    if held and cls in (UnheldParameter, UnheldDTensor):
+        p.__class__ = nn.Parameter if cls is UnheldParameter else DTensor
     elif not held and cls is nn.Parameter:
         p.__class__ = UnheldParameter
+    elif not held and cls is DTensor:
+        p.__class__ = UnheldDTensor
 
 
 # ---------------------------------------------------------------------- #
