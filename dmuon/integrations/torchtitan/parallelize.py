@@ -75,14 +75,8 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
     unsupported = {k: v for k, v in others.items() if v != 1}
     if unsupported:
         raise ValueError(
-            f"dmuon torchtitan: only data and tensor parallelism (FSDP / HSDP, TP over FSDP) are supported, got "
+            f"dmuon torchtitan: only data and tensor parallelism (FSDP / HSDP, and TP over either) are supported, got "
             f"{unsupported}; dmuon's mesh must cover every rank."
-        )
-    if parallel_dims.tp_enabled and parallel_dims.dp_replicate_enabled:
-        raise ValueError(
-            f"dmuon torchtitan: data_parallel_replicate_degree={parallel_dims.dp_replicate} with "
-            f"tensor_parallel_degree={parallel_dims.tp} (HSDP + TP) is not supported yet; dmuon's tensor-parallel "
-            "owners span one data-parallel dimension. Use data_parallel_shard_degree for the data-parallel ranks."
         )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
@@ -94,21 +88,30 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
 
 def _meshes(model: nn.Module, parallel_dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
     """dmuon's ``(mesh, replicate_mesh)`` from torchtitan's meshes. See [Note: tensor parallelism]."""
-    if not parallel_dims.tp_enabled:
-        replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
-        return parallel_dims.get_mesh("fsdp"), replicate
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if parallel_dims.tp_enabled and not any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(
             f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp} but no parameter is a DTensor yet; with "
             "tensor parallelism call dedicate after torchtitan's TP step (model.parallelize(parallel_dims)) and "
             "before fully_shard, or let with_dmuon / dmuon_model_spec place it there."
         )
-    shard, tp = parallel_dims.get_mesh("fsdp"), parallel_dims.get_mesh("tp")
-    mesh = init_device_mesh(tp.device_type, (shard.size(), tp.size()), mesh_dim_names=("dp", "tp"))
-    if mesh["tp"] != tp or mesh["dp"].mesh.tolist() != shard.mesh.tolist():
+    replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+    shard = parallel_dims.get_mesh("fsdp")
+    if not parallel_dims.tp_enabled:
+        return shard, replicate
+    theirs = {"tp": parallel_dims.get_mesh("tp"), "fsdp": shard}
+    if replicate is None:
+        names, ours = ("dp", "tp"), {"tp": "tp", "fsdp": "dp"}
+    else:
+        names, ours = ("replicate", "shard", "tp"), {"tp": "tp", "fsdp": "shard", "dp_replicate": "replicate"}
+        theirs["dp_replicate"] = replicate
+    mesh = init_device_mesh(theirs["tp"].device_type, tuple(theirs[t].size() for t in ("dp_replicate", "fsdp", "tp")
+                                                            if t in theirs), mesh_dim_names=names)
+    same = mesh["tp"] == theirs["tp"] and all(
+        mesh[ours[t]].mesh.tolist() == m.mesh.tolist() for t, m in theirs.items())
+    if not same:
         raise RuntimeError(
-            f"dmuon torchtitan: torchtitan's meshes fsdp={shard} / tp={tp} are not the row-major (dp, tp) grid "
-            f"dmuon builds ({mesh}); this torchtitan version lays its mesh out differently (tested: 0.3.0)."
+            f"dmuon torchtitan: torchtitan's meshes {theirs} are not the row-major {names} grid dmuon builds "
+            f"({mesh}); this torchtitan version lays its mesh out differently (tested: 0.3.0)."
         )
     return mesh, None
 
@@ -242,24 +245,15 @@ def _sum_reductions_on_gloo(model: nn.Module) -> None:
 # ourselves means reimplementing ``parallelize_llama`` around it. If a ``parallelize_fn`` never calls
 # ``model.parallelize`` (an older torchtitan with ``parallelize_module`` plans), :func:`with_dmuon` raises
 # afterwards; if it shards before TP, ``dedicate_params`` refuses the FSDP2-sharded model.
-# dmuon's mesh is ``init_device_mesh(..., ("dp", "tp"))`` over the same ranks: torchtitan's own 2-D view
-# is named ("fsdp", "tp"), which ``dedicate_params`` does not take, and DeviceMesh has no public rename.
-# Its "tp" dimension compares equal to torchtitan's "tp" mesh (same ranks, layout and name), which is
-# what ``dedicate_params`` checks the DTensors against; :func:`_meshes` verifies both dimensions.
-def _check_tensor_parallel_options(
-    parallel_dims: ParallelDims, kwargs: dict[str, Any], param_dtype: torch.dtype | None
-) -> None:
+# dmuon's mesh is ``init_device_mesh(..., ("dp", "tp"))`` over the same ranks, or ("replicate", "shard",
+# "tp") with ``data_parallel_replicate_degree > 1``: torchtitan's own views are named ("fsdp", "tp") /
+# ("dp_replicate", "fsdp", "tp"), which ``dedicate_params`` does not take, and DeviceMesh has no public
+# rename. Its "tp" dimension compares equal to torchtitan's "tp" mesh (same ranks, layout and name), which
+# is what ``dedicate_params`` checks the DTensors against; :func:`_meshes` verifies every dimension.
+def _check_tensor_parallel_options(parallel_dims: ParallelDims, kwargs: dict[str, Any]) -> None:
     """Refuse TP settings dmuon cannot honour yet, before anything is sharded."""
     _check_parallel_dims(parallel_dims)
     tp = parallel_dims.tp
-    if param_dtype is not None:
-        training = kwargs["training"]
-        raise ValueError(
-            f"dmuon torchtitan: training.mixed_precision_param={training.mixed_precision_param!r} with "
-            f"tensor_parallel_degree={tp}: dmuon does not cast tensor-parallel matrices yet. Set "
-            f"mixed_precision_param={training.dtype!r} (training.dtype), or train in dtype="
-            f"{training.mixed_precision_param!r}."
-        )
     compile_config = kwargs.get("compile_config")
     if compile_config is not None and compile_config.enable_async_tensor_parallel:
         raise ValueError(
@@ -340,7 +334,7 @@ def with_dmuon(
             run()
             model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         else:
-            _check_tensor_parallel_options(parallel_dims, kwargs, param_dtype)
+            _check_tensor_parallel_options(parallel_dims, kwargs)
             with _after_tensor_parallel(model, parallel_dims, run):
                 model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         _sum_reductions_on_gloo(model)
