@@ -25,8 +25,8 @@ causal SDPA instead of torchtitan's default flex attention (which has no CPU bac
 torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible); by default only
 2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU) and the model computes in fp32 instead
 of torchtitan's default bf16 (bf16 matmuls are slow on CPU too; ``--mixed-precision-param bfloat16`` turns
-it on; with ``--tp`` dmuon needs it off, since it does not cast TP matrices yet). The checkpoint goes to a
-temporary folder unless ``--out`` is given. Exits non-zero if the loss did not decrease.
+it on). The checkpoint goes to a temporary folder unless ``--out`` is given. Exits non-zero if the loss did
+not decrease.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def main() -> int:
     # "partial_dtensor": dmuon keeps some params whole, the other backends want every param a DTensor
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=args.tp)
     # torchtitan's mixed precision (fp32 weights, bf16 compute, fp32 gradient reduce) covers the dedicated
-    # matrices too; on CPU the default is fp32 compute, since bf16 matmuls are slow there, and with --tp
-    # too, since dmuon does not cast tensor-parallel matrices yet
-    mp_param = args.mixed_precision_param or ("bfloat16" if use_cuda and args.tp == 1 else "float32")
+    # matrices too (tensor-parallel ones included); on CPU the default is fp32 compute, since bf16 matmuls
+    # are slow there
+    mp_param = args.mixed_precision_param or ("bfloat16" if use_cuda else "float32")
     training = TrainingConfig(mixed_precision_param=mp_param, disable_cuda_graphs=True, steps=args.steps)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()

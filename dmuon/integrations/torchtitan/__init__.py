@@ -5,7 +5,10 @@ torchtitan builds the model on the meta device, calls the model's ``parallelize_
 LR schedulers and checkpointer from its config. This package supplies one piece per step:
 
 * :func:`dmuon_model_spec` (or :func:`with_dmuon` around any ``parallelize_fn``) runs :func:`dedicate` right
-  before torchtitan's own ``fully_shard``. ``import dmuon`` makes ``fully_shard`` skip the selected matrices.
+  before torchtitan's own ``fully_shard``; with ``tensor_parallel_degree > 1``, right after torchtitan's own
+  TP step (``model.parallelize(parallel_dims)``, its llama3 plan), so the TP-sharded matrices are dedicated
+  over the data-parallel ranks ([Note: tensor parallelism]). ``import dmuon`` makes ``fully_shard`` skip the
+  selected matrices.
 * :class:`DMuonOptimizersContainer` builds one :class:`dmuon.Muon` where torchtitan builds its optimizers
   (``optimizer=DMuonOptimizersContainer.Config(lr=..., adamw_lr=...)``). Its ``state_dict`` is torchtitan's
   flat ``state.{fqn}.{name}`` / ``param_groups.{fqn}.{key}`` layout, built by
@@ -16,9 +19,10 @@ LR schedulers and checkpointer from its config. This package supplies one piece 
   to :func:`dmuon.set_model_state_dict`, which republishes the owners' weights. The model part keeps
   torchtitan's stock keys (fused QKV saved as ``wq``/``wk``/``wv``), so a model without dmuon loads it.
 * :func:`clip_grad_norm_` is torchtitan's ``clip_grad_norm_`` signature over :func:`dmuon.clip_grad_norm_`
-  (dedicated gradients live on one rank each). Building the container installs it in place of
-  ``torchtitan.distributed.utils.clip_grad_norm_``, which the Trainer calls; for parameter lists without
-  dedicated params it forwards to torchtitan's original unchanged.
+  (dedicated gradients live on one rank each; under TP, ``_tp_clip.py``'s stopgap, [Note: TP clipping
+  stopgap]). Building the container installs it in place of ``torchtitan.distributed.utils.clip_grad_norm_``,
+  which the Trainer calls; for parameter lists without dedicated params it forwards to torchtitan's original
+  unchanged.
 
 Trainer example::
 
@@ -36,8 +40,9 @@ Trainer example::
 
 Scope (each checked with a ``ValueError`` naming the setting):
 
-* data parallelism only: FSDP, or HSDP (``data_parallel_replicate_degree > 1``); no TP, CP, PP or EP,
-  since dmuon's mesh must cover every rank;
+* data parallelism, FSDP or HSDP (``data_parallel_replicate_degree > 1``), and tensor parallelism over either
+  (``tensor_parallel_degree > 1``, torchtitan 0.3.0's ``model.parallelize`` plan); no CP, PP or EP, since
+  dmuon's mesh must cover every rank; under TP no ``compile.enable_async_tensor_parallel`` (untested);
 * ``parallelism.spmd_backend="partial_dtensor"`` (the ``full_dtensor`` / ``spmd_types`` backends demand
   that every parameter be a DTensor, including the ones dmuon keeps whole);
 * ``training.mixed_precision_param`` no wider than ``training.dtype`` (dmuon computes a dedicated matrix
@@ -50,15 +55,18 @@ Scope (each checked with a ``ValueError`` naming the setting):
   use :func:`dmuon.get_model_state_dict` / :func:`dmuon.set_model_state_dict` for full tensors instead.
 
 Tested on CPU/gloo (2-rank FSDP, 2x2 HSDP, selective activation checkpointing, 2-rank FSDP under
-torchtitan's default mixed precision) by driving these pieces with the calls and arguments
+torchtitan's default mixed precision; TP with sequence parallelism and the vocab-parallel loss at dp=1 x
+tp=2, dp=2 x tp=2 and 2 replicas x 1 shard x tp=2, a dp=1 x tp=2 resume, tp=2 under the default mixed
+precision: ``tests/test_torchtitan_tp.py``) by driving these pieces with the calls and arguments
 ``Trainer.__init__`` / ``train_step`` use; ``Trainer`` itself was not run (on CPU its device-memory monitor
 needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async checkpoint modes, MoE models;
 ``dtype="bfloat16"`` training was only run by hand.
 
 The package: ``parallelize.py`` (:func:`dedicate`, :func:`with_dmuon`, :func:`dmuon_model_spec`, the
-trainer settings checked first and [Note: mixed precision]), ``_fused_qkv.py`` ([Note: fused QKV]),
+trainer settings checked first, [Note: mixed precision] and [Note: tensor parallelism]), ``_fused_qkv.py`` ([Note: fused QKV]),
 ``optimizer.py`` (:class:`DMuonOptimizersContainer`, :func:`clip_grad_norm_` and [Note: gradient
-scale]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`, :class:`DMuonCheckpointManager`).
+scale]), ``_tp_clip.py`` ([Note: TP clipping stopgap]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`,
+:class:`DMuonCheckpointManager`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """dmuon in torchtitan's ``parallelize_fn`` step: which matrices to dedicate, :func:`dedicate` on torchtitan's
-meshes, :func:`with_dmuon` / :func:`dmuon_model_spec` that run it before ``fully_shard``, the trainer
-settings they check first, and the mixed-precision dtypes they hand to dmuon.
+meshes, :func:`with_dmuon` / :func:`dmuon_model_spec` that run it before ``fully_shard`` (after the TP step
+under tensor parallelism, [Note: tensor parallelism]), the trainer settings they check first, and the
+mixed-precision dtypes they hand to dmuon.
 
 [Note: mixed precision]
 torchtitan's parallelize functions always give FSDP2 ``MixedPrecisionPolicy(param_dtype=
@@ -126,10 +127,14 @@ def dedicate(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> OwnerPlan:
-    """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``.
+    """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``
+    (with ``tensor_parallel_degree > 1``: after torchtitan's TP step and before ``fully_shard``, which
+    :func:`with_dmuon` arranges).
 
     The shard mesh is ``parallel_dims``' ``"fsdp"`` mesh; with ``data_parallel_replicate_degree > 1`` the
-    ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). ``predicate(fqn, param)`` defaults to
+    ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). Under TP dmuon gets the same ranks as
+    a ``("dp", "tp")`` or ``("replicate", "shard", "tp")`` mesh, and the TP-sharded matrices are dedicated
+    as DTensors over "tp" ([Note: tensor parallelism]). ``predicate(fqn, param)`` defaults to
     :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
     ``reshard_after_forward``, ``prefetch``, ``param_dtype`` and ``reduce_dtype`` are
     :func:`dmuon.dedicate_params`'s. The dtypes must match the ``MixedPrecisionPolicy`` torchtitan gives
@@ -305,6 +310,9 @@ def with_dmuon(
     reshard_after_forward: bool | None = None,
 ) -> Callable[..., nn.Module]:
     """Wrap a torchtitan ``parallelize_fn`` so it dedicates matrices first, then shards the rest.
+
+    With ``tensor_parallel_degree > 1`` dmuon dedicates right after the ``parallelize_fn``'s own TP step
+    (``model.parallelize(parallel_dims)``), before its ``fully_shard``: see [Note: tensor parallelism].
 
     ``reshard_after_forward=None`` follows ``parallelism.fsdp_reshard_after_forward`` (``"never"`` keeps the
     broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). The dedicated
