@@ -129,6 +129,8 @@ def tp_job(rank: int, world: int, root: str, *, checkpoint: bool = False, load_s
         lr_schedulers.step()
         if step <= SAVE_AT:  # the one save the resumed run needs (saves cost seconds on this CPU)
             checkpointer.save(step)
+        if step == SAVE_AT and checkpoint:
+            out["at_save"] = dmuon.get_model_state_dict(model)
         logged = loss.detach().clone()
         if loss_mesh is not None:  # local sum / global tokens, over the data-parallel ranks: the mean
             dist.all_reduce(logged, group=loss_mesh.get_group())
@@ -165,16 +167,16 @@ def two_rank_job(rank: int, world: int, root: str) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def dp1xtp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def dp1xtp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """dp=1 x tp=2 on 2 gloo ranks, saving at SAVE_AT through torchtitan's CheckpointManager; then fresh
     processes resuming from that step."""
     root = str(tmp_path_factory.mktemp("torchtitan_tp"))
     runs = run_distributed(two_rank_job, TP, root)
     resumed = run_distributed(functools.partial(tp_job, load_step=SAVE_AT), TP, root)
-    return {"full": [r["full"] for r in runs], "mixed": [r["mixed"] for r in runs], "resumed": resumed}
+    return {"root": root, "full": [r["full"] for r in runs], "mixed": [r["mixed"] for r in runs], "resumed": resumed}
 
 
-def test_dp1xtp2_matches_single_process_oracle(dp1xtp2: dict[str, list[dict]]) -> None:
+def test_dp1xtp2_matches_single_process_oracle(dp1xtp2: dict[str, Any]) -> None:
     """dp=1 x tp=2: every block matrix is dedicated as a pair of TP shards on the one dp slot."""
     print(_check_against_oracle(dp1xtp2["full"]))
 
@@ -201,7 +203,7 @@ def test_hsdp_x_tp_matches_single_process_oracle(four_ranks: list[dict[str, dict
     print(_check_against_oracle([r["hsdp"] for r in four_ranks]))
 
 
-def test_resume_from_torchtitan_checkpoint_is_bitwise(dp1xtp2: dict[str, list[dict]]) -> None:
+def test_resume_from_torchtitan_checkpoint_is_bitwise(dp1xtp2: dict[str, Any]) -> None:
     """Restart from torchtitan's DCP checkpoint (model through dmuon's sharded TP dicts, the container's
     optimizer state, LR schedule, step): the remaining steps repeat bit for bit."""
     for full, resumed in zip(dp1xtp2["full"], dp1xtp2["resumed"], strict=True):
@@ -212,7 +214,24 @@ def test_resume_from_torchtitan_checkpoint_is_bitwise(dp1xtp2: dict[str, list[di
             assert torch.equal(resumed["final"][key], value), key
 
 
-def test_default_mixed_precision_trains_like_fp32(dp1xtp2: dict[str, list[dict]]) -> None:
+def test_tp_checkpoint_loads_into_a_plain_torchtitan_model(dp1xtp2: dict[str, Any]) -> None:
+    """The model part of the TP checkpoint is torchtitan's stock layout (fused QKV as wq/wk/wv, every tensor
+    whole): a single-process torchtitan model with its own state-dict hooks loads it and holds the weights
+    the ranks had at the save."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _cpu_torchtitan()
+    ckpt = Path(dp1xtp2["root"]) / "checkpoint" / f"step-{SAVE_AT}"
+    dcp_to_torch_save(str(ckpt), str(ckpt.parent / "converted.pt"))
+    written = torch.load(ckpt.parent / "converted.pt", weights_only=False)
+    plain = tiny_llama3_config().build()
+    plain.load_state_dict({k: written[k] for k in plain.state_dict()})
+    saved = dp1xtp2["full"][0]["at_save"]
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+
+
+def test_default_mixed_precision_trains_like_fp32(dp1xtp2: dict[str, Any]) -> None:
     """torchtitan's default ``TrainingConfig`` (fp32 model, bf16 compute, fp32 reduce) under TP: the TP
     matrices compute in bf16 from fp32 masters, and training follows the fp32 oracle as closely as it does
     without TP (tests/test_torchtitan.py: 2e-3 in the loss). Its bf16 forward depends on the TP split, so
