@@ -271,3 +271,11 @@ def test_tensor_parallel_settings_dmuon_cannot_honour_are_refused() -> None:
             never_called(plain, parallel_dims=dims(), parallelism=ParallelismConfig(tensor_parallel_degree=TP,
                                                                                     spmd_backend="partial_dtensor"),
                          **kwargs)
+    # a parallelize_fn without torchtitan's TP step (an older torchtitan's plan, say): named, not mis-trained
+    with torch.device("meta"):
+        model = tiny_llama3_config().build()
+    no_tp_step = dmuon_tt.with_dmuon(lambda model, **kw: model)
+    with pytest.raises(ValueError, match=r"never called model.parallelize\(parallel_dims\)"):
+        no_tp_step(model, parallel_dims=dims(), training=fp32, parallelism=ParallelismConfig(
+            tensor_parallel_degree=TP, spmd_backend="partial_dtensor"))
+    assert "parallelize" not in vars(model)  # the hook is gone again

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.metadata
 import re
 import weakref
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torchtitan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -48,7 +48,8 @@ Predicate = Callable[[str, nn.Parameter], bool]
 
 #: Matrices of torchtitan's dense decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and
 #: ``wo``) and the dense feed-forward (``w1``/``w2``/``w3``).
-_TORCHTITAN_VERSION = importlib.metadata.version("torchtitan")
+#: named in the TP errors, which depend on torchtitan 0.3.0's module protocol
+_TORCHTITAN_VERSION: str = getattr(torchtitan, "__version__", "of unknown version")
 
 _BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward)\.(?:.+\.)?weight$")
 
