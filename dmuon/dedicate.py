@@ -257,7 +257,7 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
         s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
         for s in selected
     }
-    specs = [ParamSpec(s.fqn, _plan_shape(s), boundary_of[s.fqn]) for s in selected]
+    specs = [ParamSpec(s.fqn, _plan_shape(s), boundary_of[s.fqn], tp_split=_tp_split(s, tp_mesh)) for s in selected]
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     plan = assign_owners(specs, mesh.size() * replicas)
     return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, replicated, tp_mesh)
@@ -271,6 +271,13 @@ def _plan_shape(s: _Selected) -> tuple[int, int]:
     if s.route is Route.MUON:
         return int(shape[0]), int(shape[1])
     return 1, int(shape.numel())
+
+
+def _tp_split(s: _Selected, tp_mesh: DeviceMesh | None) -> tuple[int, int] | None:
+    """``(tp_dim, tp_size)`` of a tensor-parallel Muon matrix, for the owner plan's cost; else ``None``."""
+    if not isinstance(s.param, DTensor) or tp_mesh is None or s.route is not Route.MUON:
+        return None
+    return int(s.param.placements[0].dim), int(tp_mesh.size())  # type: ignore[union-attr]
 
 
 def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None) -> None:

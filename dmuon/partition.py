@@ -98,6 +98,10 @@ class ParamSpec:
     fqn: str
     shape: tuple[int, int]
     layer: str
+    #: tensor parallelism: ``shape`` is a shard of a matrix split ``tp_size`` ways along ``tp_dim``, whose
+    #: Newton–Schulz runs on the whole matrix on one of the owner slot's tp ranks ([Note: TP update] in
+    #: ``dmuon/optim/tp_update.py``): it weighs ``1/tp_size`` of the whole matrix's cost. ``(tp_dim, tp_size)``
+    tp_split: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -117,8 +121,12 @@ class ParamSpec:
 
     @property
     def cost(self) -> float:
-        """NS FLOPs per iteration, see :func:`ns_cost`."""
-        return float(_ns_flops(*self.shape))
+        """NS FLOPs per iteration, see :func:`ns_cost` (of this rank's share under tensor parallelism)."""
+        if self.tp_split is None:
+            return float(_ns_flops(*self.shape))
+        dim, t = self.tp_split
+        full = (self.shape[0] * t, self.shape[1]) if dim == 0 else (self.shape[0], self.shape[1] * t)
+        return float(_ns_flops(*full)) / t
 
 
 @dataclass(frozen=True)
@@ -231,7 +239,7 @@ class _Item:
 
 
 def _build_items(specs: Sequence[ParamSpec], world_size: int, pack_fraction: float) -> list[_Item]:
-    costs = {s.fqn: _ns_flops(*s.shape) for s in specs}
+    costs = {s.fqn: s.cost for s in specs}
     total = sum(costs.values())
     threshold = pack_fraction * total / world_size
     items: list[_Item] = []

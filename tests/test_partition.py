@@ -417,3 +417,19 @@ def test_custom_shape_and_unknown_preset() -> None:
         LlamaShape("bad", hidden=16, intermediate=48, layers=2, heads=3, kv_heads=2, head_dim=4, vocab=100)
     with pytest.raises(ValueError, match="hidden"):
         LlamaShape("bad", hidden=0, intermediate=48, layers=2, heads=4, kv_heads=2, head_dim=4, vocab=100)
+
+
+def test_a_tensor_parallel_shard_weighs_its_share_of_the_whole_matrix():
+    """Under TP an owner slot runs Newton-Schulz on whole matrices, dealt over its t tp ranks ([Note: TP
+    update]): a shard weighs 1/t of its matrix's cost, not the cost of a shard-shaped matrix (for a 4096^2
+    matrix split 8 ways by rows, 11x more than a 512 x 4096 matrix would)."""
+    from dmuon.partition import ParamSpec, assign_owners, ns_cost
+
+    rows = ParamSpec("q", (512, 4096), "layers.0", tp_split=(0, 8))
+    cols = ParamSpec("o", (4096, 512), "layers.0", tp_split=(1, 8))
+    assert rows.cost == cols.cost == ns_cost((4096, 4096)) / 8
+    assert rows.cost > 10 * ParamSpec("q", (512, 4096), "layers.0").cost  # a shard-shaped matrix: 11x less
+    # a slot with one whole 4096^2 matrix balances eight shards' worth of them on the other slot
+    plan = assign_owners([ParamSpec("w", (4096, 4096), "a")]
+                         + [ParamSpec(f"s{i}", (512, 4096), f"b{i}", tp_split=(0, 8)) for i in range(8)], 2)
+    assert plan.imbalance == 1.0, plan.summary_line()
