@@ -1,15 +1,17 @@
-"""Tensor parallelism x dmuon, runnable as is (issue 16's first part: training and clipping).
+"""Tensor parallelism x dmuon, runnable as is: training, clipping and a full state dict.
 
     torchrun --nproc_per_node 4 examples/tp_dmuon.py     # dp=2 x tp=2
     torchrun --nproc_per_node 2 examples/tp_dmuon.py     # dp=1 x tp=2
+    python examples/tp_dmuon.py                          # starts 2 local ranks itself (dp=1 x tp=2)
 
 Each block's MLP is split over "tp" with torch's own ``ColwiseParallel`` / ``RowwiseParallel``; dmuon owns
-every MLP matrix over "dp" (each tp rank of the owner keeps its shard) and updates it with the Muon update
-of the *full* matrix, from one all-reduce of its Gram matrix over "tp"; FSDP2 shards the rest over "dp".
-The order is the usual one: ``parallelize_module`` -> ``dmuon.dedicate_params(model, mesh)`` with the 2-D
-("dp", "tp") mesh -> ``fully_shard`` over ``mesh["dp"]`` -> ``dmuon.Muon``. State dicts of tensor-parallel
-models are not supported yet (they raise). CPU (gloo) when there is no GPU. Exits non-zero if the loss did
-not decrease.
+every MLP matrix over "dp" (each tp rank of the owner keeps its shard and its momentum) and updates it with
+the Muon update of the *full* matrix: each matrix is gathered onto one tp rank of the owner's slot, which
+runs Newton-Schulz on it, and the result's shards go back; FSDP2 shards the rest over "dp". The order is the
+usual one: ``parallelize_module`` -> ``dmuon.dedicate_params(model, mesh)`` with the 2-D ("dp", "tp") mesh
+-> ``fully_shard`` over ``mesh["dp"]`` -> ``dmuon.Muon``. The full state dict at the end has the unsplit
+model's keys and shapes (it loads into a dp-only or a single-process model). CPU (gloo) when there is no
+GPU. Exits non-zero if the loss did not decrease.
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ def main() -> int:
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
-    ok = losses[-1] < losses[0]
+    full = dmuon.get_model_state_dict(model)  # collective: TP matrices whole, as an unsplit model has them
+    ok = losses[-1] < losses[0] and tuple(full["layers.0.w1.weight"].shape) == (HIDDEN, DIM)
     if dist.get_rank() == 0:
-        verdict = "OK" if ok else "FAILED (the loss did not decrease)"
+        verdict = "OK" if ok else "FAILED (the loss did not decrease, or the state dict is not whole)"
         print(f"tp_dmuon: {verdict} dp={world // TP} x tp={TP}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     del model, optimizer  # free FSDP2 before the process group (see custom_loop.py)
     gc.collect()
