@@ -7,9 +7,9 @@ vocab-parallel loss, sequence-parallel norms), then selective activation checkpo
 parallelism]). Each run trains torchtitan's debug Llama (tests/test_torchtitan.py's tiny recipe, its param
 groups, schedule, momentum edit and clipping every step) and is compared with that file's single-process
 oracle (``torch.optim.Muon`` + ``torch.optim.AdamW``) within its bounds: dp=1 x tp=2 (2 gloo ranks), dp=2
-x tp=2 and 2 replicas x 1 shard x tp=2 (4). The dp=1 x tp=2 run also saves through torchtitan's
-CheckpointManager, and fresh processes resume it bit for bit; the same processes then train under
-torchtitan's default bf16 mixed precision. About 35 s on an idle 2-core machine. Skipped without torchtitan
+x tp=2 and 2 replicas x 1 shard x tp=2 (4), dp=1 x tp=2 without sequence parallelism. The dp=1 x tp=2 run
+also saves through torchtitan's CheckpointManager, and fresh processes resume it bit for bit; the same
+processes also train under torchtitan's default bf16 mixed precision. 40-50 s on this 2-core machine. Skipped without torchtitan
 / triton.
 """
 
@@ -38,8 +38,8 @@ from tests.test_torchtitan import (  # noqa: E402
 TP = 2
 
 
-def _build(world: int, dump_folder: str, *, seed: int, replicate: int = 1, mixed_precision: bool = False
-           ) -> tuple[Any, Any, Any, Any]:
+def _build(world: int, dump_folder: str, *, seed: int, replicate: int = 1, mixed_precision: bool = False,
+           sequence_parallel: bool = True) -> tuple[Any, Any, Any, Any]:
     """Model, optimizers, LR schedulers and ParallelDims as ``Trainer.__init__`` builds them, with
     ``tensor_parallel_degree=TP`` (the Trainer's ``update_from_config`` sets the model's sharding config)."""
     from torchtitan.components.optimizer import LRSchedulersContainer
@@ -54,7 +54,8 @@ def _build(world: int, dump_folder: str, *, seed: int, replicate: int = 1, mixed
 
     _cpu_torchtitan()
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=TP,
-                                    data_parallel_replicate_degree=replicate)
+                                    data_parallel_replicate_degree=replicate,
+                                    enable_sequence_parallel=sequence_parallel)
     config = tiny_llama3_config()
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     spec = dmuon_tt.dmuon_model_spec(ModelSpec(
@@ -84,17 +85,18 @@ def _build(world: int, dump_folder: str, *, seed: int, replicate: int = 1, mixed
 
 
 def tp_job(rank: int, world: int, root: str, *, checkpoint: bool = False, load_step: int | None = None,
-           replicate: int = 1, mixed_precision: bool = False) -> dict:
+           **build: Any) -> dict:
     """STEPS steps of ``Trainer.train_step`` on a dp x tp grid: each dp slot takes its slice of the global
     batch, its tp ranks the same slice; the loss is logged over the dp ranks. ``checkpoint``: torchtitan's
-    CheckpointManager (``DMuonCheckpointManager``) saves every SAVE_AT steps; ``load_step``: fresh processes
-    with another init restore that step first and train the remaining steps."""
+    CheckpointManager (``DMuonCheckpointManager``) saves at step SAVE_AT; ``load_step``: fresh processes
+    with another init restore that step first and train the remaining steps; ``build``: :func:`_build`'s
+    options."""
     from torchtitan.distributed import utils as tt_dist_utils
 
     from dmuon.integrations import torchtitan as dmuon_tt
 
     model, optimizers, lr_schedulers, parallel_dims = _build(world, root, seed=0 if load_step is None else 123,
-                                                             replicate=replicate, mixed_precision=mixed_precision)
+                                                             **build)
     # torchtitan's data-loading and loss meshes (None where of size 1)
     batch_mesh, loss_mesh = parallel_dims.get_optional_mesh("batch"), parallel_dims.get_optional_mesh("loss")
     dp, dp_rank = parallel_dims.dp_replicate * parallel_dims.dp_shard, batch_mesh.get_local_rank() if batch_mesh else 0
@@ -162,8 +164,11 @@ def _check_against_oracle(runs: list[dict]) -> dict[str, float]:
 
 
 def two_rank_job(rank: int, world: int, root: str) -> dict[str, dict]:
-    """dp=1 x tp=2 in fp32, saving; then under torchtitan's default mixed precision, in the same processes."""
-    return {"full": tp_job(rank, world, root, checkpoint=True), "mixed": tp_job(rank, world, root, mixed_precision=True)}
+    """dp=1 x tp=2 in fp32, saving; then without sequence parallelism, and under torchtitan's default mixed
+    precision, in the same processes."""
+    return {"full": tp_job(rank, world, root, checkpoint=True),
+            "no_sp": tp_job(rank, world, root, sequence_parallel=False),
+            "mixed": tp_job(rank, world, root, mixed_precision=True)}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +178,7 @@ def dp1xtp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("torchtitan_tp"))
     runs = run_distributed(two_rank_job, TP, root)
     resumed = run_distributed(functools.partial(tp_job, load_step=SAVE_AT), TP, root)
-    return {"root": root, "full": [r["full"] for r in runs], "mixed": [r["mixed"] for r in runs], "resumed": resumed}
+    return {"root": root, "resumed": resumed, **{k: [r[k] for r in runs] for k in runs[0]}}
 
 
 def test_dp1xtp2_matches_single_process_oracle(dp1xtp2: dict[str, Any]) -> None:
@@ -190,6 +195,12 @@ def four_rank_job(rank: int, world: int, root: str) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
     return run_distributed(four_rank_job, 2 * TP, str(tmp_path_factory.mktemp("torchtitan_tp4")))
+
+
+def test_without_sequence_parallel_matches_single_process_oracle(dp1xtp2: dict[str, Any]) -> None:
+    """``enable_sequence_parallel=False``: norms and activations replicated over "tp", and the rowwise
+    weights' gradients arrive as Partial DTensors, which the container reduces to their shards."""
+    print(_check_against_oracle(dp1xtp2["no_sp"]))
 
 
 def test_dp2xtp2_matches_single_process_oracle(four_ranks: list[dict[str, dict]]) -> None:
