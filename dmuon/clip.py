@@ -76,8 +76,11 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
     acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     main_grads = {id(dp.param): dp.main_grad for dp in state.dedicated() if dp.main_grad is not None}
     # tensor parallel: dmuon's ranks are one dp row per tp index; a tensor-parallel shard counts on its
-    # own tp rank, everything else (the same on every tp index) on tp index 0, summed over every rank
+    # own tp rank; a DTensor whose mesh has the "tp" dimension (FSDP2 over (dp, tp), e.g. a vocab-parallel
+    # embedding) where its Replicate coordinates are 0, on every tp index; everything else (the same on every
+    # tp index) on tp index 0; summed over every rank
     tp_first = state.tp_mesh is None or state.tp_mesh.get_local_rank() == 0
+    tp_name = state.tp_mesh.mesh_dim_names[0] if state.tp_mesh is not None else None
     tp_shards = {id(dp.param) for dp in state.dedicated() if dp.tp_dim is not None}
     for p in params:
         g = main_grads.get(id(p), p.grad)
@@ -87,7 +90,8 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
             local = g.to_local() if isinstance(g, DTensor) else g
             counts = id(p) in tp_shards or tp_first  # only the owner holds one
         elif isinstance(g, DTensor):
-            local, counts = g.to_local(), _counts_here(g) and tp_first
+            local = g.to_local()
+            counts = _counts_here(g) and (tp_first or tp_name in (g.device_mesh.mesh_dim_names or ()))
         else:
             local, counts = g, ctx.rank == 0 and tp_first
         grads.append(local)

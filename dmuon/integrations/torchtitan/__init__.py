@@ -19,8 +19,8 @@ LR schedulers and checkpointer from its config. This package supplies one piece 
   to :func:`dmuon.set_model_state_dict`, which republishes the owners' weights. The model part keeps
   torchtitan's stock keys (fused QKV saved as ``wq``/``wk``/``wv``), so a model without dmuon loads it.
 * :func:`clip_grad_norm_` is torchtitan's ``clip_grad_norm_`` signature over :func:`dmuon.clip_grad_norm_`
-  (dedicated gradients live on one rank each; under TP, ``_tp_clip.py``'s stopgap, [Note: TP clipping
-  stopgap]). Building the container installs it in place of ``torchtitan.distributed.utils.clip_grad_norm_``,
+  (dedicated gradients live on one rank each; under TP its norm counts torchtitan's (fsdp, tp) DTensors,
+  such as the vocab-parallel embedding, on every tp index). Building the container installs it in place of ``torchtitan.distributed.utils.clip_grad_norm_``,
   which the Trainer calls; for parameter lists without dedicated params it forwards to torchtitan's original
   unchanged.
 
@@ -65,7 +65,7 @@ needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async checkpoint
 The package: ``parallelize.py`` (:func:`dedicate`, :func:`with_dmuon`, :func:`dmuon_model_spec`, the
 trainer settings checked first, [Note: mixed precision] and [Note: tensor parallelism]), ``_fused_qkv.py`` ([Note: fused QKV]),
 ``optimizer.py`` (:class:`DMuonOptimizersContainer`, :func:`clip_grad_norm_` and [Note: gradient
-scale]), ``_tp_clip.py`` ([Note: TP clipping stopgap]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`,
+scale]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`,
 :class:`DMuonCheckpointManager`).
 """
 

@@ -38,7 +38,6 @@ from ...runtime.hooks import STATE_ATTR
 from ...runtime.param import is_dedicated
 from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
 from ...optim.update import MuonHParams
-from ._tp_clip import clip_tensor_parallel_
 from .parallelize import _MODELS, _adopt
 
 _CLIP_MARK = "__dmuon_wrapped__"
@@ -141,9 +140,6 @@ def clip_grad_norm_(
             f"ep_enabled={ep_enabled!r})"
         )
     model = _model_of(params)
-    state = getattr(model, STATE_ATTR)
-    if state.tp_mesh is not None:  # [Note: TP clipping stopgap]
-        return clip_tensor_parallel_(model, state, max_norm, norm_type, error_if_nonfinite)
     return dmuon.clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite)
 
 
