@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from . import comm as C
@@ -138,6 +139,8 @@ class DMuonState:
 
     def _register_param_hooks(self, dp: DedicatedParam) -> None:
         p = dp.bound()
+        if dp.tp_dim is not None:  # before accumulation: the gradient in the weight's own layout
+            dp.add_handle(p.register_hook(_placed_like(p)))
         dp.add_handle(p.register_post_accumulate_grad_hook(_weak_hook(self, dp, DMuonState._on_accumulated)))
 
     def _arm_stash(self, dp: DedicatedParam) -> None:
@@ -343,6 +346,21 @@ class DMuonState:
         ``.grad`` afterwards; ``DedicatedParam.clear`` refuses REDUCING): drop every dedicated gradient."""
         for dp in self.dedicated():
             dp.clear(set_to_none=set_to_none)
+
+
+def _placed_like(p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook giving a tensor-parallel weight's gradient the weight's placements. Some TP plans
+    hand a weight a full-size ``Partial`` gradient over "tp" (torchtitan's rowwise ``wo`` / ``w2`` without
+    sequence parallelism); FSDP2 redistributes its own params' gradients, and dmuon reduces the local shard,
+    so the sum over "tp" and the slice (one reduce-scatter) happen here, before anything reads it."""
+    mesh, placements = p.device_mesh, tuple(p.placements)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+
+    return hook
 
 
 def _weak_hook(state: DMuonState, dp: DedicatedParam, method: Callable[[DMuonState, DedicatedParam], None]

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
@@ -76,27 +75,16 @@ def _scale(factor: float, grad: torch.Tensor) -> torch.Tensor:
     return grad * factor
 
 
-def _as_placed(param: DTensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` with ``param``'s placements. Without sequence parallelism torchtitan's rowwise weights
-    (``wo``, ``w2``) get their gradient as a full-size ``Partial`` DTensor over "tp"; FSDP2 redistributes
-    its own params' gradients to their placements, and dmuon reduces a TP weight's local shard, so the
-    sum over "tp" and the slice (one reduce-scatter) happen here, before dmuon's reduce."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(grad.device_mesh, param.placements)
-    return grad
-
-
 def _register_grad_hooks(model: nn.Module, optimizer: dmuon.Muon) -> list[RemovableHandle]:
-    """Place every TP dedicated gradient as its weight (:func:`_as_placed`), then scale local gradients of
-    params dmuon averages (dedicated, and plain replicated ones) so their reduced value matches FSDP2's
-    reduction. See [Note: gradient scale]."""
+    """Scale local gradients of params dmuon averages (dedicated, and plain replicated ones) so their reduced
+    value matches FSDP2's reduction. See [Note: gradient scale]. (A TP weight's gradient gets the weight's
+    placements in dmuon's own hook, ``runtime/hooks.py`` ``_placed_like``.)"""
     dedicated = list(dmuon.get_dedicated_params(model).values())
-    handles = [p.register_hook(functools.partial(_as_placed, p)) for p in dedicated if isinstance(p, DTensor)]
     factor = dedicated_grad_scale(model)
     if factor == 1.0:
-        return handles
+        return []
     params = dedicated + [p for g in optimizer.param_groups if g["kind"] == "adamw_replicated" for p in g["params"]]
-    return handles + [p.register_hook(functools.partial(_scale, factor)) for p in params]
+    return [p.register_hook(functools.partial(_scale, factor)) for p in params]
 
 
 def _model_of(params: list[torch.Tensor]) -> nn.Module:
