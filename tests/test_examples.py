@@ -61,14 +61,6 @@ def test_plain_python_starts_its_own_ranks() -> None:
     assert match and float(match.group(2)) < float(match.group(1)), proc.stdout
 
 
-def test_custom_loop_recipe_runs_under_torchrun() -> None:
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "examples/custom_loop.py"])
-    match = re.search(r"custom_loop: OK loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
-    assert match, proc.stdout
-    first, last = float(match.group(1)), float(match.group(2))
-    assert last < first, (first, last)
-
-
 def test_demo_runs_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "demo_out"
     proc = _run(["-m", "dmuon.demo", "--steps", "6", "--out", str(out)])

@@ -1,7 +1,8 @@
-"""A 200-step soak on 4 gloo ranks (issue 13): unused matrices, ``no_sync`` accumulation whose micro-batches
-run different layers, and a save / restore into a freshly built model every 50 steps (full state dicts
+"""A 120-step soak on 4 gloo ranks (issue 13): unused matrices, ``no_sync`` accumulation whose micro-batches
+run different layers, and a save / restore into a freshly built model every 30 steps (full state dicts
 through ``torch.save`` / ``torch.load``, and once through ``torch.distributed.checkpoint``). The run must be
-bit-identical with its twin, which trains the same 200 steps without ever restoring."""
+bit-identical with its twin, which trains the same 120 steps without ever restoring. (200 steps with a
+restore every 50 until the suite outgrew its 10-minute budget: the same restores, 30 steps apart.)"""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import CFG4, GLOBAL_BATCH, RoutedLlama, batches, full_weights, muon_kwargs, projection_predicate
 
 WORLD = 4
-STEPS = 200
-RESTORE_AT = {50: "torch.save", 100: "dcp", 150: "torch.save"}
+STEPS = 120
+RESTORE_AT = {30: "torch.save", 60: "dcp", 90: "torch.save"}
 #: per step (cycled): the layers each of the two micro-batches runs; the first is inside no_sync
 ROUTES = [((0, 1, 2, 3), (0, 2)), ((1, 3), (0, 1, 2, 3)), ((0, 1, 2, 3), (0, 1, 2, 3)), ((2,), (3, 1))]
 
@@ -101,7 +102,7 @@ def test_soak_with_restores_is_bit_identical_to_its_twin():
         restored = run_distributed(soak_job, WORLD, root, True)
         twin = run_distributed(soak_job, WORLD, root, False)
     for rank in range(WORLD):
-        assert_bitwise(restored[rank], twin[rank], f"rank {rank}: restored every 50 steps vs uninterrupted")
+        assert_bitwise(restored[rank], twin[rank], f"rank {rank}: restored every 30 steps vs uninterrupted")
         assert restored[rank]["losses"] == twin[rank]["losses"], f"rank {rank}: losses differ"
         assert not isinstance(restored[rank]["unused_grad"], torch.Tensor), "the unused matrix never gets a gradient"
         assert all(torch.equal(v, restored[0]["weights"][k]) for k, v in restored[rank]["weights"].items()), \
