@@ -81,14 +81,13 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
     # tp index) on tp index 0; summed over every rank
     tp_first = state.tp_mesh is None or state.tp_mesh.get_local_rank() == 0
     tp_name = state.tp_mesh.mesh_dim_names[0] if state.tp_mesh is not None else None
-    tp_shards = {id(dp.param) for dp in state.dedicated() if dp.tp_dim is not None}
     for p in params:
         g = main_grads.get(id(p), p.grad)
         if not p.requires_grad or g is None:
             continue
         if is_dedicated(p):
             local = g.to_local() if isinstance(g, DTensor) else g
-            counts = id(p) in tp_shards or tp_first  # only the owner holds one
+            counts = isinstance(p, DTensor) or tp_first  # only the owner holds one (a TP shard: its tp rank's)
         elif isinstance(g, DTensor):
             local = g.to_local()
             counts = _counts_here(g) and (tp_first or tp_name in (g.device_mesh.mesh_dim_names or ()))
