@@ -30,7 +30,7 @@ import torch.nn as nn
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
 from .optim.tp_update import exchange_cost
-from .partition import ns_cost
+from .partition import ns_cost, shard_ns_cost
 from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .runtime.hooks import get_state
@@ -147,14 +147,6 @@ class Summary:
         return self.table()
 
 
-def _ns_share(dp: Any, tp_mesh: Any) -> float:
-    """NS flops of one owned matrix on this rank; a tensor-parallel one's NS runs on one of its tp ranks, so
-    each carries ``1/t`` of it on average (exactly, per rank, with ``summarize``'s ``optimizer``)."""
-    if dp.tp_dim is None:
-        return ns_cost((int(dp.shape[0]), int(dp.shape[1])))
-    return ns_cost((int(dp.full_shape[0]), int(dp.full_shape[1]))) / tp_mesh.size()
-
-
 def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     """Per rank: the dedicated matrices it owns (shape, elements, bytes, NS cost), the elements one step
     should move by kind (``docs/architecture.md`` section 5) next to what the counters measured since the
@@ -179,12 +171,16 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     hsdp = ctx.replicate_size > 1
     owned = [dp for dp in dps if dp.is_owner]
     counts = comm_counts(model)
+    tp_size = state.tp_mesh.size() if state.tp_mesh is not None else 1
     row = {
         "rank": torch.distributed.get_rank(), "slot": ctx.rank,
         "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
                    "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
                    "route": dp.route.value,  # an adamw_owner param runs no NS
-                   "ns_flops": _ns_share(dp, state.tp_mesh) if dp.route is Route.MUON else 0.0}
+                   # a TP matrix's NS runs whole on one of its tp ranks: 1/t of it each on average (exactly,
+                   # per rank, with ``optimizer``, below)
+                   "ns_flops": shard_ns_cost(tuple(dp.shape), None if dp.tp_dim is None else (dp.tp_dim, tp_size))
+                   if dp.route is Route.MUON else 0.0}
                   for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders
         "expected": {"forward_broadcast": P, "backward_broadcast": P if state.config.reshard_after_forward else 0,

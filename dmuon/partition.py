@@ -27,6 +27,7 @@ __all__ = [
     "RankLoad",
     "OwnerPlan",
     "ns_cost",
+    "shard_ns_cost",
     "assign_owners",
 ]
 
@@ -86,6 +87,18 @@ def ns_cost(shape: tuple[int, int]) -> float:
     return float(_ns_flops(rows, cols))
 
 
+def shard_ns_cost(shape: tuple[int, int], tp_split: tuple[int, int] | None) -> float:
+    """:func:`ns_cost` of what one rank carries for a matrix it holds ``shape`` of: the matrix's own, or under
+    tensor parallelism (``tp_split = (tp_dim, tp_size)``, ``shape`` a shard) ``1/tp_size`` of the whole
+    matrix's, since its Newton–Schulz runs whole on one of the owner slot's tp ranks ([Note: TP update] in
+    ``dmuon/optim/tp_update.py``)."""
+    if tp_split is None:
+        return ns_cost(shape)
+    dim, t = tp_split
+    rows, cols = _check_shape(shape, "shard_ns_cost")
+    return ns_cost((rows * t, cols) if dim == 0 else (rows, cols * t)) / t
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """What the planner needs to know about one Muon-managed weight.
@@ -121,12 +134,8 @@ class ParamSpec:
 
     @property
     def cost(self) -> float:
-        """NS FLOPs per iteration, see :func:`ns_cost` (of this rank's share under tensor parallelism)."""
-        if self.tp_split is None:
-            return float(_ns_flops(*self.shape))
-        dim, t = self.tp_split
-        full = (self.shape[0] * t, self.shape[1]) if dim == 0 else (self.shape[0], self.shape[1] * t)
-        return float(_ns_flops(*full)) / t
+        """NS FLOPs per iteration, see :func:`shard_ns_cost`."""
+        return shard_ns_cost(self.shape, self.tp_split)
 
 
 @dataclass(frozen=True)
