@@ -138,27 +138,36 @@ class TrainState:
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
 def _build(
-    world: int, seed: int, dump_folder: str, replicate: int = 1, mixed_precision: bool = False
-) -> tuple[Any, Any, Any]:
-    """Model, optimizers and LR schedulers exactly as ``Trainer.__init__`` builds them from a config whose
-    ``model_spec`` went through ``dmuon_model_spec`` (activation checkpointing: the Trainer's default SAC).
-    ``replicate > 1``: HSDP (``data_parallel_replicate_degree``). Training runs in fp32 (as the fp32 oracle)
-    unless ``mixed_precision``: torchtitan's default ``TrainingConfig`` (fp32 model, bf16 compute, fp32 reduce)."""
+    world: int, seed: int, dump_folder: str, replicate: int = 1, mixed_precision: bool = False, *, tp: int = 1,
+    sequence_parallel: bool = True,
+) -> tuple[Any, Any, Any, Any]:
+    """Model, optimizers, LR schedulers and ParallelDims exactly as ``Trainer.__init__`` builds them from a
+    config whose ``model_spec`` went through ``dmuon_model_spec`` (activation checkpointing: the Trainer's
+    default SAC). ``replicate > 1``: HSDP (``data_parallel_replicate_degree``). ``tp > 1``: torchtitan's
+    tensor parallelism (``tensor_parallel_degree``, with ``enable_sequence_parallel=sequence_parallel``; the
+    Trainer's ``update_from_config`` sets the model's sharding config). Training runs in fp32 (as the fp32
+    oracle) unless ``mixed_precision``: torchtitan's default ``TrainingConfig`` (fp32 model, bf16 compute,
+    fp32 reduce)."""
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
     from torchtitan.protocols.model_spec import ModelSpec
 
     from dmuon.integrations import torchtitan as dmuon_tt
 
     _cpu_torchtitan()
+    config = tiny_llama3_config()
+    if tp > 1:
+        set_llama3_sharding_config(config, enable_sp=sequence_parallel)
     spec = dmuon_tt.dmuon_model_spec(ModelSpec(
-        name="llama3", flavor="tiny", model=tiny_llama3_config(), parallelize_fn=parallelize_llama,
+        name="llama3", flavor="tiny", model=config, parallelize_fn=parallelize_llama,
         pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None,
     ))
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_replicate_degree=replicate)
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_replicate_degree=replicate,
+                                    tensor_parallel_degree=tp, enable_sequence_parallel=sequence_parallel)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
     with torch.device("meta"):
@@ -178,7 +187,7 @@ def _build(
                                                           **HP).build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=optimizers,
                                                                             training_steps=STEPS)
-    return model, optimizers, lr_schedulers
+    return model, optimizers, lr_schedulers, parallel_dims
 
 
 def _train_step(
@@ -211,7 +220,7 @@ def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None
     CI a job)."""
     from dmuon.integrations import torchtitan as dmuon_tt
 
-    model, optimizers, lr_schedulers = _build(world, seed, root)
+    model, optimizers, lr_schedulers, _ = _build(world, seed, root)
     out: dict[str, Any] = {"owned": sorted(dmuon.get_owned_params(model))}
     if load_step is None:
         # full tensors for the oracle (cloned: on one rank full_tensor() can alias the live shard)
@@ -250,7 +259,7 @@ def _mixed_precision_run(rank: int, world: int, root: str) -> dict:
     """STEPS steps under torchtitan's default mixed precision, with what the dedicated matrices' forward
     computes in (input and weight dtype) and the dtypes of the owners' reduced gradients. No clipping (see
     [Note: mixed-precision oracle]); the Trainer's clip call still computes the norm."""
-    model, optimizers, lr_schedulers = _build(world, 0, root, mixed_precision=True)
+    model, optimizers, lr_schedulers, _ = _build(world, 0, root, mixed_precision=True)
     init = {k: v.clone() for k, v in dmuon.get_model_state_dict(model).items()}
     seen: set[tuple[str, str]] = set()
 
@@ -269,7 +278,7 @@ def _mixed_precision_run(rank: int, world: int, root: str) -> dict:
 
 def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
     """STEPS steps on a (replicate x shard) HSDP grid, no checkpoint."""
-    model, optimizers, lr_schedulers = _build(world, 0, root, replicate)
+    model, optimizers, lr_schedulers, _ = _build(world, 0, root, replicate)
     init = {k: v.clone() for k, v in dmuon.get_model_state_dict(model).items()}
     results = [_train_step(model, optimizers, lr_schedulers, rank, world, step) for step in range(1, STEPS + 1)]
     return {"init": init, "losses": [r[0] for r in results], "norms": [r[1] for r in results]}

@@ -31,57 +31,11 @@ import torch.distributed as dist  # noqa: E402
 import dmuon  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests.test_torchtitan import (  # noqa: E402
-    ATTENTION, GLOBAL_BATCH, HP, LOSS_RTOL, MAX_NORM, NORM_RTOL, SAVE_AT, STEPS, WARMUP, WEIGHT_RTOL, TrainState,
-    _cpu_torchtitan, _edit, _loss_fn, _param_group_configs, _rel, batch, tiny_llama3_config, train_oracle,
+    ATTENTION, GLOBAL_BATCH, LOSS_RTOL, MAX_NORM, NORM_RTOL, SAVE_AT, STEPS, WEIGHT_RTOL, TrainState, _build,
+    _cpu_torchtitan, _edit, _loss_fn, _rel, batch, tiny_llama3_config, train_oracle,
 )
 
 TP = 2
-
-
-def _build(world: int, dump_folder: str, *, seed: int, replicate: int = 1, mixed_precision: bool = False,
-           sequence_parallel: bool = True) -> tuple[Any, Any, Any, Any]:
-    """Model, optimizers, LR schedulers and ParallelDims as ``Trainer.__init__`` builds them, with
-    ``tensor_parallel_degree=TP`` (the Trainer's ``update_from_config`` sets the model's sharding config)."""
-    from torchtitan.components.optimizer import LRSchedulersContainer
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-    from torchtitan.models.llama3 import parallelize_llama
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    from dmuon.integrations import torchtitan as dmuon_tt
-
-    _cpu_torchtitan()
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=TP,
-                                    data_parallel_replicate_degree=replicate,
-                                    enable_sequence_parallel=sequence_parallel)
-    config = tiny_llama3_config()
-    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
-    spec = dmuon_tt.dmuon_model_spec(ModelSpec(
-        name="llama3", flavor="tiny", model=config, parallelize_fn=parallelize_llama,
-        pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None,
-    ))
-    parallel_dims = ParallelDims.from_config(parallelism, world)
-    parallel_dims.build_mesh()
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(
-        model, parallel_dims=parallel_dims,
-        training=TrainingConfig() if mixed_precision else TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism, compile_config=CompileConfig(), ac_config=SelectiveAC.Config(),
-        dump_folder=dump_folder,
-    )
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    optimizers = dmuon_tt.DMuonOptimizersContainer.Config(implementation="for-loop", param_groups=_param_group_configs(),
-                                                          **HP).build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=optimizers,
-                                                                            training_steps=STEPS)
-    return model, optimizers, lr_schedulers, parallel_dims
 
 
 def tp_job(rank: int, world: int, root: str, *, checkpoint: bool = False, load_step: int | None = None,
@@ -89,13 +43,13 @@ def tp_job(rank: int, world: int, root: str, *, checkpoint: bool = False, load_s
     """STEPS steps of ``Trainer.train_step`` on a dp x tp grid: each dp slot takes its slice of the global
     batch, its tp ranks the same slice; the loss is logged over the dp ranks. ``checkpoint``: torchtitan's
     CheckpointManager (``DMuonCheckpointManager``) saves at step SAVE_AT; ``load_step``: fresh processes
-    with another init restore that step first and train the remaining steps; ``build``: :func:`_build`'s
-    options."""
+    with another init restore that step first and train the remaining steps; ``build``: the options of
+    tests/test_torchtitan.py's ``_build`` (``replicate``, ``mixed_precision``, ``sequence_parallel``)."""
     from torchtitan.distributed import utils as tt_dist_utils
 
     from dmuon.integrations import torchtitan as dmuon_tt
 
-    model, optimizers, lr_schedulers, parallel_dims = _build(world, root, seed=0 if load_step is None else 123,
+    model, optimizers, lr_schedulers, parallel_dims = _build(world, 0 if load_step is None else 123, root, tp=TP,
                                                              **build)
     # torchtitan's data-loading and loss meshes (None where of size 1)
     batch_mesh, loss_mesh = parallel_dims.get_optional_mesh("batch"), parallel_dims.get_optional_mesh("loss")
