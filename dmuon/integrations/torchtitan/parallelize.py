@@ -48,10 +48,10 @@ Predicate = Callable[[str, nn.Parameter], bool]
 
 #: Matrices of torchtitan's dense decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and
 #: ``wo``) and the dense feed-forward (``w1``/``w2``/``w3``).
-#: named in the TP errors, which depend on torchtitan 0.3.0's module protocol
-_TORCHTITAN_VERSION: str = getattr(torchtitan, "__version__", "of unknown version")
-
 _BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward)\.(?:.+\.)?weight$")
+
+#: Named in the TP errors, which depend on torchtitan 0.3.0's module protocol.
+_TORCHTITAN_VERSION: str = getattr(torchtitan, "__version__", "of unknown version")
 
 #: Models prepared through this package, so :func:`clip_grad_norm_` can find the model of a parameter list.
 _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
