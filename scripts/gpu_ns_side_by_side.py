@@ -102,20 +102,15 @@ def variants(schedule: list[tuple[float, float, float]], coefficients: str, gns:
     def auto(G: torch.Tensor) -> torch.Tensor:
         return newton_schulz_native(G, len(schedule), coefficients, backend="auto")
 
-    def with_quack_full(mode: bool | str) -> Callable:
+    if quack_full:
         def auto_quack(G: torch.Tensor) -> torch.Tensor:
-            ns.QUACK_FULL_PRODUCTS = mode
+            ns.QUACK_FULL_PRODUCTS = True
             try:
                 return auto(G)
             finally:
                 ns.QUACK_FULL_PRODUCTS = False
 
-        return auto_quack
-
-    # fixed configuration: nothing is autotuned, so it is cheap to include in every run
-    out["dmuon auto + quack Q X untuned"] = with_quack_full("untuned")
-    if quack_full:
-        out["dmuon auto + quack Q X"] = with_quack_full(True)  # the name of the 2026-12-01 (night) measurements
+        out["dmuon auto + quack Q X"] = auto_quack  # the name of the 2026-12-01 (night) measurements
     # what dmuon.Muon runs for groups of at most _graphs.MAX_ELEMENTS (here for every group, to compare)
     out["dmuon auto + CUDA graph"] = lambda G: _graphs.run(auto, G, ("side-by-side", coefficients))
     try:

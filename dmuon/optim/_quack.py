@@ -59,11 +59,9 @@ def symmetric_product(Y: Tensor, D: Tensor | None = None, alpha: float = 1.0, be
     return gemm_symmetric(Y, B, C=D, alpha=alpha, beta=beta)
 
 
-def full_product(Y: Tensor, Z: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0, *,
-                 tuned: bool = True) -> Tensor:
-    """``alpha Y Z + beta C`` for ``(batch, m, k)`` ``Y`` and ``(batch, k, n)`` ``Z`` with quack's GEMM, in ``Y``'s
-    dtype with fp32 accumulation, rounded once: what ``torch.baddbmm`` computes with cuBLAS. ``tuned``: quack's
-    autotuning (minutes at the first call per process and shape); ``False``: its fixed default configuration."""
+def full_product(Y: Tensor, Z: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
+    """``alpha Y Z + beta C`` for ``(batch, m, k)`` ``Y`` and ``(batch, k, n)`` ``Z`` with quack's (autotuned) GEMM,
+    in ``Y``'s dtype with fp32 accumulation, rounded once: what ``torch.baddbmm`` computes with cuBLAS."""
     if C is None or beta == 0.0:
-        return gemm(Y, Z, alpha=alpha, tuned=tuned)
-    return gemm_add(Y, Z, C, alpha=alpha, beta=beta, tuned=tuned)
+        return gemm(Y, Z, alpha=alpha)
+    return gemm_add(Y, Z, C, alpha=alpha, beta=beta)

@@ -149,9 +149,8 @@ GRAM_MAX_SCALE = 4**6
 #: cuBLAS's. Measured on an H200 (Llama-3.1-8B share at 8 ranks): 68.7 ms against 71.1 ms. Off by default:
 #: its first call per process and shape autotunes (compiles and times every quack configuration; on a fresh
 #: H200 machine one shape took minutes), and in a distributed job a rank that tunes while its peers wait in
-#: a collective can run into the collective's timeout. ``"untuned"``: quack's GEMM with its fixed default
-#: configuration (no autotuning; each shape still compiles once, as the symmetric GEMM does).
-QUACK_FULL_PRODUCTS: bool | str = False
+#: a collective can run into the collective's timeout.
+QUACK_FULL_PRODUCTS = False
 
 #: Number of iterations ``torch.optim.Muon`` runs by default.
 DEFAULT_NS_STEPS = 5
@@ -416,7 +415,7 @@ def _direct_iterate(X: Tensor, per_step: Sequence[tuple[float, float, float]], e
         if quack:
             from . import _quack
 
-            X = _quack.full_product(B, X, C=X, beta=a, tuned=QUACK_FULL_PRODUCTS != "untuned")
+            X = _quack.full_product(B, X, C=X, beta=a)
         else:
             X = torch.baddbmm(X, B, X, beta=a)
     return X.squeeze(0) if squeeze else X
@@ -490,7 +489,7 @@ def _product(Y: Tensor, Z: Tensor, alpha: float = 1.0, sym: bool = False) -> Ten
     if sym and _quack_full(Y):
         from . import _quack
 
-        out = _quack.full_product(Y, Z, alpha=alpha, tuned=QUACK_FULL_PRODUCTS != "untuned")
+        out = _quack.full_product(Y, Z, alpha=alpha)
         return out.mT if tall else out
     out = torch.bmm(Y, Z) if alpha == 1.0 else torch.baddbmm(Y.new_empty(()), Y, Z, beta=0.0, alpha=alpha)
     return out.mT if tall else out
