@@ -47,11 +47,16 @@ def roots(n: int, tp_size: int) -> list[int]:
     return [k % tp_size for k in range(n)]
 
 
+def _dealt(n: int, tp_size: int) -> list[int]:
+    """How many of ``n`` matrices :func:`roots` deals to each tp rank."""
+    return [len(range(d, n, tp_size)) for d in range(tp_size)]
+
+
 def exchange_cost(n: int, shard_numel: int, *, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """For one call of :func:`muon_update_tp_` on ``n`` matrices: how many of them this tp rank orthogonalises,
     and how many elements it sends to its tp peers over both all-to-alls (the shards of the other ranks'
     matrices out, the other ranks' shards of its own results back)."""
-    mine = roots(n, tp_size).count(tp_rank)
+    mine = _dealt(n, tp_size)[tp_rank]
     return mine, (n - mine + (tp_size - 1) * mine) * shard_numel
 
 
@@ -93,7 +98,7 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
                          f"over {tp_size} tp ranks")
     updates = _stacked_updates(grads, momentum_buffers, hp)
     numel = updates[0].numel()
-    counts = [len(range(d, len(params), tp_size)) for d in range(tp_size)]
+    counts = _dealt(len(params), tp_size)
     mine = counts[tp_rank]
     # out: the shards of tp rank d's matrices, for d = 0..t-1; in: my matrices' shards from every tp rank
     send = torch.cat([updates[d::tp_size].reshape(-1) for d in range(tp_size)])
