@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .launch import free_port
-from .presets import PRESET_ALIASES, canonical_preset
+from .presets import PRESET_ALIASES, PRESETS, canonical_preset
 from .timing import median_ms
 
 if TYPE_CHECKING:
@@ -61,13 +61,10 @@ class _Presets(dict):
         raise KeyError(key)
 
 
-#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab); the Llama ones match dmuon.tools.presets
+#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab): a CPU smoke shape, then dmuon.tools.presets'
 BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets({
     "tiny": (128, 256, 2, 4, 2, 256),
-    "125m": (768, 3072, 12, 12, 12, 32000),
-    "llama3.2-1b": (2048, 8192, 16, 32, 8, 128256),
-    "llama3.2-3b": (3072, 8192, 28, 24, 8, 128256),
-    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    **{name: (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.vocab) for name, s in PRESETS.items()},
 })
 VARIANTS = ("fsdp_adamw", "naive_fsdp_muon", "torch_muon", "dmuon_z3", "dmuon_z2")
 #: one line per variant, for --help
