@@ -6,7 +6,7 @@ Under tensor parallelism dmuon's ``ctx`` is one data-parallel row (HSDP x TP: on
 grid) per tp index, so its "world" is not every rank. Everything that must involve every rank goes over the default group instead: the agreement
 on the mode (:func:`detect_mode`), rank 0's tensors and metadata in rank-0 mode (:func:`bcast_from_rank0`,
 :func:`bcast_object_from_rank0`; rank 0's own row is never enough) and the checksums' sums. A TP matrix
-is whole in full dicts (each row broadcasts its owner's shard, then :func:`gather_tp` concatenates the
+is whole in full dicts (each row broadcasts its owner's shard, then ``comm.tp_all_gather`` concatenates the
 shards over "tp" along ``tp_dim``: the same bytes a dp-only run saves) and sliced on load
 (:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as a DTensor over "tp"
 (:func:`as_tp_dtensor`), whose chunk offsets DCP records, so any other dp x tp layout reads what it
@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.profiler import record_function
 
 from .._fsdp import fsdp_modules
 from ..runtime import comm as C
@@ -126,21 +125,12 @@ def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch
         buf = value.detach().to(state.ctx.device, dtype).clone()
     else:
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
-    if state.tp_mesh is None:
-        return C.wait(C.broadcast(state.ctx, buf, rank0_coord(state), CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
-    state.ctx.counter.record(CommKind.CHECKPOINT, buf, "world")  # every rank, every tp index's row
-    with record_function(f"dmuon::broadcast[world] ({label})"):
-        dist.broadcast(buf, src=0)
-    return buf
+    return C.broadcast_from_rank0(state.ctx, buf, CommKind.CHECKPOINT, label, every_rank=state.tp_mesh is not None)
 
 
 def bcast_object_from_rank0(state: DMuonState, obj: object) -> object:
     """A small picklable object from global rank 0 to every rank (rank-0 mode's metadata)."""
-    if state.tp_mesh is None:
-        return C.broadcast_object(state.ctx, obj, rank0_coord(state))
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return C.broadcast_object_from_rank0(state.ctx, obj, every_rank=state.tp_mesh is not None)
 
 
 def scatter_dtensor(like: DTensor, full: torch.Tensor | None, mode: Mode, state: DMuonState,
@@ -166,21 +156,6 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------- #
 # Tensor-parallel matrices: see [Note: tensor-parallel state dicts]                                    #
 # --------------------------------------------------------------------------------------------------- #
-def gather_tp(state: DMuonState, shard: torch.Tensor, tp_dim: int, label: str) -> torch.Tensor:
-    """The whole matrix on every rank of a tp group from each rank's ``shard`` (concatenated along
-    ``tp_dim`` in tp-mesh order). Collective over "tp"; every dp slot runs it at the same entry.
-
-    A local collective until ``dmuon/runtime/comm.py`` has one (counted as ``CHECKPOINT`` on ``"tp"``)."""
-    mesh = state.tp_mesh
-    group = mesh.get_group()
-    parts = [torch.empty_like(shard) for _ in range(mesh.size())]
-    state.ctx.counter.record(CommKind.CHECKPOINT, shard, "tp")
-    with record_function(f"dmuon::all_gather[tp] ({label})"):
-        dist.all_gather(parts, shard.contiguous(), group=group)
-    order = dist.get_process_group_ranks(group)  # group rank -> global rank; the mesh gives the tp order
-    return torch.cat([parts[order.index(int(r))] for r in mesh.mesh.flatten().tolist()], dim=tp_dim)
-
-
 def tp_slice(like: DTensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of a whole matrix laid out as the TP DTensor ``like`` (its own chunk offsets)."""
     (chunk,) = like.__create_chunk_list__()

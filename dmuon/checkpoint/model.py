@@ -22,7 +22,6 @@ from ._common import (
     as_tp_dtensor,
     bcast_from_rank0,
     detect_mode,
-    gather_tp,
     listing,
     prepare,
     rank0_owns,
@@ -127,7 +126,7 @@ def get_model_state_dict(
                 buf = (live.detach().clone() if mine else torch.empty(live.shape, dtype=e.dtype, device=ctx.device))
                 value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
                 if e.dp.tp_dim is not None:
-                    value = gather_tp(state, value, e.dp.tp_dim, e.key)
+                    value = C.tp_all_gather(ctx, value, e.dp.tp_dim, state.tp_mesh, CommKind.CHECKPOINT, e.key)
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
                 if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one

@@ -24,7 +24,6 @@ from ._common import (
     bcast_from_rank0,
     bcast_object_from_rank0,
     detect_mode,
-    gather_tp,
     gather_views,
     listing,
     prepare,
@@ -125,7 +124,7 @@ def get_optimizer_state_dict(
                        else torch.empty(shape, dtype=dtype, device=ctx.device))
                 value = C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}", dim=C.Dim.WORLD))
                 if dp.tp_dim is not None:  # this tp index's shard, from its own row's owner rank
-                    value = gather_tp(state, value, dp.tp_dim, f"{dp.fqn}.{k}")
+                    value = C.tp_all_gather(ctx, value, dp.tp_dim, state.tp_mesh, CommKind.CHECKPOINT, f"{dp.fqn}.{k}")
                 entry[k] = finish(value)
             out_state[dp.fqn] = entry
         for name, p, _ in _adamw_params(opt):

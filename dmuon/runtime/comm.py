@@ -403,3 +403,42 @@ def broadcast_object(ctx: CommContext, obj: object, src: int) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=ctx.global_rank(Dim.WORLD, src), group=ctx.groups[Dim.WORLD])
     return box[0]
+
+
+# --------------------------------------------------------------------------------------------------- #
+# State dicts: from global rank 0, and whole tensor-parallel matrices                                  #
+# --------------------------------------------------------------------------------------------------- #
+def broadcast_from_rank0(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label: str = "", *,
+                         every_rank: bool = False) -> torch.Tensor:
+    """Broadcast ``tensor`` in place from global rank 0 over dmuon's ranks (``every_rank``: the default
+    group's, which under tensor parallelism spans every tp index, where dmuon's own groups span one) and
+    wait. Counted on ``"world"``."""
+    if not every_rank:
+        return wait(broadcast(ctx, tensor, ctx.global_ranks.index(0), kind, label, dim=Dim.WORLD))
+    ctx.counter.record(kind, tensor, Dim.WORLD.value)
+    with record_function(f"dmuon::broadcast[world] ({label})"):
+        dist.broadcast(tensor, src=0)
+    return tensor
+
+
+def broadcast_object_from_rank0(ctx: CommContext, obj: object, *, every_rank: bool = False) -> object:
+    """A small picklable object from global rank 0 to every rank of dmuon's ranks (``every_rank``: of the
+    default group's); metadata, not counted, as :func:`broadcast_object`."""
+    if not every_rank:
+        return broadcast_object(ctx, obj, ctx.global_ranks.index(0))
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def tp_all_gather(ctx: CommContext, shard: torch.Tensor, dim: int, mesh: DeviceMesh, kind: CommKind,
+                  label: str = "") -> torch.Tensor:
+    """Every tp rank's ``shard`` concatenated along ``dim`` in the order of the 1-D "tp" ``mesh`` (a
+    tensor-parallel matrix whole on each of its tp ranks); blocking. Counted on ``"tp"`` as this rank's shard."""
+    group = mesh.get_group()
+    parts = [torch.empty_like(shard) for _ in range(mesh.size())]
+    ctx.counter.record(kind, shard, "tp")
+    with record_function(f"dmuon::all_gather[tp] ({label})"):
+        dist.all_gather(parts, shard.contiguous(), group=group)
+    order = dist.get_process_group_ranks(group)  # group rank -> global rank; the mesh gives the tp order
+    return torch.cat([parts[order.index(int(r))] for r in mesh.mesh.flatten().tolist()], dim=dim)
