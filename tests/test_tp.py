@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
@@ -71,6 +71,25 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(5)
     tok = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=gen)
     return [(t[:, :-1], t[:, 1:]) for t in tok]
+
+
+def _split_mlps(model: Net, tp_mesh) -> Net:
+    """torch's own TP plan on every block: w1 rows (``ColwiseParallel``), w2 columns (``RowwiseParallel``)."""
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    return model
+
+
+def _tp_model(mesh, fsdp_mesh, model: Net | None = None, *, z3: bool = True, mp_policy=None, **dedicate) -> Net:
+    """The recipe: TP split -> ``dedicate_params`` on ``mesh`` -> ``fully_shard`` per block and root on
+    ``fsdp_mesh``."""
+    model = _split_mlps(_net() if model is None else model, mesh["tp"])
+    dmuon.dedicate_params(model, mesh, _is_matrix, reshard_after_forward=z3, **dedicate)
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy  # FSDP2's own default
+    for layer in model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3, mp_policy=mp_policy)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3, mp_policy=mp_policy)
+    return model
 
 
 @rank_threads()
@@ -132,13 +151,7 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
     else:
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         fsdp_mesh = mesh["dp"]
-    model = _net()
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    dmuon.dedicate_params(model, mesh, _is_matrix, reshard_after_forward=z3)
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+    model = _tp_model(mesh, fsdp_mesh, z3=z3)
     opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, ns_backend="direct", adamw_lr=ADAMW_LR,
                      adamw_weight_decay=0.01)
     if per_shard_ns:  # the deliberately wrong variant: NS of each shard by itself, nothing exchanged over "tp"
@@ -280,23 +293,16 @@ def tp_master_job(rank: int, world: int) -> dict:
     """dp=2 x tp=2 in both mixed-precision forms: a bf16 model with fp32 masters of the owned shards
     (``master_dtype``), and an fp32 model computing in bf16 (``param_dtype``, FSDP2's MixedPrecisionPolicy
     alike); the reduce in fp32 in both."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from dmuon.runtime.hooks import get_state
     from dmuon.runtime.param import local
 
     out = {}
     for form in ("master_dtype", "param_dtype"):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        model = _net().bfloat16() if form == "master_dtype" else _net()
-        for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         pd = torch.bfloat16 if form == "param_dtype" else None
-        dmuon.dedicate_params(model, mesh, _is_matrix, param_dtype=pd, reduce_dtype=torch.float32)
-        mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=torch.float32)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+        model = _tp_model(mesh, mesh["dp"], _net().bfloat16() if form == "master_dtype" else None,
+                          mp_policy=MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=torch.float32),
+                          param_dtype=pd, reduce_dtype=torch.float32)
         opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, adamw_lr=ADAMW_LR,
                          master_dtype=torch.float32 if form == "master_dtype" else None)
         dp_rank, per = mesh.get_coordinate()[0], BATCH // DP
@@ -339,13 +345,7 @@ def test_tp_shards_keep_fp32_masters_in_both_mixed_precision_forms():
 def tp_guard_job(rank: int, world: int) -> dict:
     """After a step (Z3): what reading a tensor-parallel matrix does on a rank of the other dp slot."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = _net()
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    dmuon.dedicate_params(model, mesh, _is_matrix)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = _tp_model(mesh, mesh["dp"])
     opt = dmuon.Muon(model, lr=LR, adamw_lr=ADAMW_LR)
     tok, tgt = _batches()[0]
     model(tok, tgt).backward()
@@ -386,9 +386,7 @@ def tp_misuse_job(rank: int, world: int) -> dict:
     out = {}
     for case, kwargs in {"one_d_mesh": {"mesh": init_device_mesh("cpu", (world,))},
                          "replicated": {"mesh": mesh}}.items():
-        model = _net()
-        for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        model = _split_mlps(_net(), mesh["tp"])
         if case == "replicated":  # a DTensor over "tp" that is not split: not a TP matrix dmuon can own
             w = model.layers[0].w1.weight
             model.layers[0].w1.weight = nn.Parameter(distribute_tensor(w.full_tensor().detach(), mesh["tp"], [Replicate()]))
