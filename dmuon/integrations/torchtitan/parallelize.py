@@ -100,16 +100,15 @@ def _meshes(model: nn.Module, parallel_dims: ParallelDims) -> tuple[DeviceMesh, 
     shard = parallel_dims.get_mesh("fsdp")
     if not parallel_dims.tp_enabled:
         return shard, replicate
-    theirs = {"tp": parallel_dims.get_mesh("tp"), "fsdp": shard}
+    tp = parallel_dims.get_mesh("tp")
+    # torchtitan's meshes, outermost first, and dmuon's name for each dimension
     if replicate is None:
-        names, ours = ("dp", "tp"), {"tp": "tp", "fsdp": "dp"}
+        theirs, names = {"fsdp": shard, "tp": tp}, ("dp", "tp")
     else:
-        names, ours = ("replicate", "shard", "tp"), {"tp": "tp", "fsdp": "shard", "dp_replicate": "replicate"}
-        theirs["dp_replicate"] = replicate
-    mesh = init_device_mesh(theirs["tp"].device_type, tuple(theirs[t].size() for t in ("dp_replicate", "fsdp", "tp")
-                                                            if t in theirs), mesh_dim_names=names)
-    same = mesh["tp"] == theirs["tp"] and all(
-        mesh[ours[t]].mesh.tolist() == m.mesh.tolist() for t, m in theirs.items())
+        theirs, names = {"dp_replicate": replicate, "fsdp": shard, "tp": tp}, ("replicate", "shard", "tp")
+    mesh = init_device_mesh(tp.device_type, tuple(m.size() for m in theirs.values()), mesh_dim_names=names)
+    same = mesh["tp"] == tp and all(
+        mesh[name].mesh.tolist() == m.mesh.tolist() for name, m in zip(names, theirs.values(), strict=True))
     if not same:
         raise RuntimeError(
             f"dmuon torchtitan: torchtitan's meshes {theirs} are not the row-major {names} grid dmuon builds "
