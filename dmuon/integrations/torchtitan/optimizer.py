@@ -75,15 +75,15 @@ def _scale(factor: float, grad: torch.Tensor) -> torch.Tensor:
     return grad * factor
 
 
-def _register_grad_hooks(model: nn.Module, optimizer: dmuon.Muon) -> list[RemovableHandle]:
+def _register_grad_scale(model: nn.Module, optimizer: dmuon.Muon) -> list[RemovableHandle]:
     """Scale local gradients of params dmuon averages (dedicated, and plain replicated ones) so their reduced
     value matches FSDP2's reduction. See [Note: gradient scale]. (A TP weight's gradient gets the weight's
     placements in dmuon's own hook, ``runtime/hooks.py`` ``_placed_like``.)"""
-    dedicated = list(dmuon.get_dedicated_params(model).values())
     factor = dedicated_grad_scale(model)
     if factor == 1.0:
         return []
-    params = dedicated + [p for g in optimizer.param_groups if g["kind"] == "adamw_replicated" for p in g["params"]]
+    params = list(dmuon.get_dedicated_params(model).values())
+    params += [p for g in optimizer.param_groups if g["kind"] == "adamw_replicated" for p in g["params"]]
     return [p.register_hook(functools.partial(_scale, factor)) for p in params]
 
 
@@ -127,8 +127,7 @@ def clip_grad_norm_(
             f"dmuon torchtitan clip_grad_norm_: pipeline/expert parallelism is not supported (pp_mesh={pp_mesh!r}, "
             f"ep_enabled={ep_enabled!r})"
         )
-    model = _model_of(params)
-    return dmuon.clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite)
+    return dmuon.clip_grad_norm_(_model_of(params), max_norm, norm_type, error_if_nonfinite)
 
 
 def _install_clip_patch() -> None:
@@ -266,7 +265,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self.model_parts = list(model_parts)
         self.model = model
         self.optimizers = [muon]
-        self._grad_hooks = _register_grad_hooks(model, muon)
+        self._grad_scale_hooks = _register_grad_scale(model, muon)
         _adopt(model)
         _install_clip_patch()
         self._post_init([p for g in muon.param_groups for p in g["params"]])
