@@ -6,11 +6,11 @@ Under tensor parallelism dmuon's ``ctx`` is one data-parallel row (HSDP x TP: on
 grid) per tp index, so its "world" is not every rank. Everything that must involve every rank goes over the default group instead: the agreement
 on the mode (:func:`detect_mode`), rank 0's tensors and metadata in rank-0 mode (:func:`bcast_from_rank0`,
 :func:`bcast_object_from_rank0`; rank 0's own row is never enough) and the checksums' sums. A TP matrix
-is whole in full dicts (each row broadcasts its owner's shard, then ``comm.tp_all_gather`` concatenates the
-shards over "tp" along ``tp_dim``: the same bytes a dp-only run saves) and sliced on load
-(:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as a DTensor over "tp"
-(:func:`as_tp_dtensor`), whose chunk offsets DCP records, so any other dp x tp layout reads what it
-needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths."""
+is whole in full dicts (:func:`bcast_from_owner`: each row broadcasts its owner's shard, then
+``comm.tp_all_gather`` concatenates the shards over "tp" along ``tp_dim``: the same bytes a dp-only run
+saves) and sliced on load (:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as
+a DTensor over "tp" (:func:`as_tp_dtensor`), whose chunk offsets DCP records, so any other dp x tp layout
+reads what it needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from .._fsdp import fsdp_modules
 from ..runtime import comm as C
 from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState, get_state
+from ..runtime.param import DedicatedParam
 
 MAX_LISTED = 10
 
@@ -126,6 +127,24 @@ def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch
     else:
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
     return C.broadcast_from_rank0(state.ctx, buf, CommKind.CHECKPOINT, label, every_rank=state.tp_mesh is not None)
+
+
+def bcast_from_owner(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | None, shape: torch.Size,
+                     dtype: torch.dtype, label: str) -> torch.Tensor:
+    """A dedicated tensor whole on every rank from its owner's ``value`` (a TP matrix's: this tp index's
+    shard; not read elsewhere, where a buffer of ``shape`` and ``dtype`` receives it): one broadcast over
+    dmuon's world (each tp index's row moves its own shard), then under TP the shards gathered over "tp"
+    along ``tp_dim``. A copy on every rank (device buffer). Collective."""
+    ctx = state.ctx
+    if dp.owner == ctx.rank:
+        assert value is not None
+        buf = value.detach().to(ctx.device, copy=True)  # (AdamW's step lives on the CPU)
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+    full = C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
+    if dp.tp_dim is None:
+        return full
+    return C.tp_all_gather(ctx, full, dp.tp_dim, state.tp_mesh, CommKind.CHECKPOINT, label)
 
 
 def bcast_object_from_rank0(state: DMuonState, obj: object) -> object:

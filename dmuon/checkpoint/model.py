@@ -12,14 +12,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime import comm as C
-from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
     as_tp_dtensor,
+    bcast_from_owner,
     bcast_from_rank0,
     detect_mode,
     listing,
@@ -122,11 +121,8 @@ def get_model_state_dict(
                 continue
             if e.kind is _Kind.DEDICATED:
                 assert e.dp is not None
-                live = local(e.tensor)  # a TP matrix: this tp index's shard, broadcast in its own row
-                buf = (live.detach().clone() if mine else torch.empty(live.shape, dtype=e.dtype, device=ctx.device))
-                value = C.wait(C.broadcast(ctx, buf, e.dp.owner, CommKind.CHECKPOINT, e.key, dim=C.Dim.WORLD))
-                if e.dp.tp_dim is not None:
-                    value = C.tp_all_gather(ctx, value, e.dp.tp_dim, state.tp_mesh, CommKind.CHECKPOINT, e.key)
+                live = local(e.tensor)  # a TP matrix: this tp index's shard
+                value = bcast_from_owner(state, e.dp, live, live.shape, e.dtype, e.key)  # type: ignore[arg-type]
             elif e.kind is _Kind.DTENSOR:
                 value = e.tensor.detach().full_tensor()
                 if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one

@@ -12,8 +12,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
-from ..runtime import comm as C
-from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam
 from ..runtime.route import Route
@@ -21,6 +19,7 @@ from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, s
 from ._common import (
     Mode,
     as_tp_dtensor,
+    bcast_from_owner,
     bcast_from_rank0,
     bcast_object_from_rank0,
     detect_mode,
@@ -118,15 +117,11 @@ def get_optimizer_state_dict(
                     out_state[dp.fqn] = (dict(st) if dp.tp_dim is None else
                                          {k: as_tp_dtensor(v, dp.bound()) for k, v in st.items()})
                 continue
-            entry = {}
-            for k, shape, dtype in muon_meta[dp.fqn]:
-                buf = (opt.state[dp.param][k].detach().to(ctx.device, copy=True) if mine  # AdamW's step: CPU
-                       else torch.empty(shape, dtype=dtype, device=ctx.device))
-                value = C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, f"{dp.fqn}.{k}", dim=C.Dim.WORLD))
-                if dp.tp_dim is not None:  # this tp index's shard, from its own row's owner rank
-                    value = C.tp_all_gather(ctx, value, dp.tp_dim, state.tp_mesh, CommKind.CHECKPOINT, f"{dp.fqn}.{k}")
-                entry[k] = finish(value)
-            out_state[dp.fqn] = entry
+            out_state[dp.fqn] = {
+                k: finish(bcast_from_owner(state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape),
+                                           dtype, f"{dp.fqn}.{k}"))
+                for k, shape, dtype in muon_meta[dp.fqn]
+            }
         for name, p, _ in _adamw_params(opt):
             st = opt.state.get(p)
             if not st:
