@@ -329,9 +329,7 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
     group_of = {id(p): g for g in opt.param_groups if g["kind"] == "adamw_owned" for p in g["params"]}
 
     def place(p: nn.Parameter, k: str, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        g = group_of.get(id(p), {})
-        on_device = k != "step" or g.get("fused") or g.get("capturable")  # torch's AdamW keeps step on the CPU
-        return v.detach().to(p.device if on_device else "cpu", dtype).clone()
+        return v.detach().to(_state_device(p, group_of.get(id(p), {}), k), dtype).clone()
 
     for dp in state.dedicated():
         p = dp.bound()
@@ -349,6 +347,13 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
             if dp.is_owner:
                 new_state.setdefault(p, {})[k] = place(p, k, _shard(dp, full), _muon_state_dtypes(opt, dp)[k])
     return new_state
+
+
+def _state_device(p: torch.Tensor, group: Mapping[str, Any], key: str) -> torch.device:
+    """Where torch's AdamW keeps state ``key`` of ``p``: ``step`` on the CPU unless the group is fused or
+    capturable, everything else on the param's device."""
+    on_device = key != "step" or group.get("fused") or group.get("capturable")
+    return p.device if on_device else torch.device("cpu")
 
 
 def _shard(dp: DedicatedParam, v: Any) -> Any:
@@ -375,10 +380,9 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
             elif mode is Mode.ALL and not isinstance(v, torch.Tensor):
                 st[k] = v
             elif k == "step":
-                on_device = g.get("fused") or g.get("capturable")
                 if mode is Mode.RANK0:
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.step")  # type: ignore[index]
-                st[k] = v.detach().to(p.device if on_device else "cpu").clone()
+                st[k] = v.detach().to(_state_device(p, g, k)).clone()
             elif isinstance(p, DTensor):
                 if isinstance(v, DTensor):
                     st[k] = v if v.placements == p.placements else v.redistribute(p.device_mesh, p.placements)
