@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
@@ -32,7 +33,7 @@ from torchtitan.distributed import utils as tt_dist_utils
 
 import dmuon
 
-from ...runtime.hooks import get_state
+from ...runtime.hooks import STATE_ATTR
 from ...runtime.param import is_dedicated
 from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
 from ...optim.update import MuonHParams
@@ -65,7 +66,8 @@ def dedicated_grad_scale(model: nn.Module) -> float:
     ``dp / divide_factor`` (torchtitan: ``dp``, since it sums), 1.0 when FSDP2 averages. ``dp`` is the
     data-parallel ranks both average or sum over: the world, or the world over the "tp" degree."""
     factor = _fsdp_divide_factor(model)
-    dp = get_state(model).ctx.world_size  # the ranks dmuon averages over: its grid of data-parallel slots
+    state = getattr(model, STATE_ATTR, None)  # without dedicate_params: the world, as FSDP2 alone averages
+    dp = state.ctx.world_size if state is not None else dist.get_world_size()  # dmuon's data-parallel slots
     return 1.0 if factor is None else dp / float(factor)
 
 
