@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
 from dmuon.checkpoint.checksum import checksum_part, chunk_part
@@ -39,6 +38,7 @@ from tests.test_tp import (
     _batches,
     _full_weights,
     _is_matrix,
+    _split_mlps,
     oracle,
 )
 
@@ -53,14 +53,13 @@ LAYOUTS = {"tp": (DP, TP), "dp": (WORLD, 1), "tp4": (1, WORLD)}
 # Worker side                                                                                          #
 # --------------------------------------------------------------------------------------------------- #
 def _build(layout: str, seed: int = 0, predicate=_is_matrix):
-    """The model of tests/test_tp.py on one of :data:`LAYOUTS`, and its optimizer."""
+    """The model of tests/test_tp.py on one of :data:`LAYOUTS` (its TP plan), and its optimizer."""
     torch.manual_seed(seed)
     model = Net()
     dp, tp = LAYOUTS[layout]
     if tp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        _split_mlps(model, mesh["tp"])
         dp_mesh = mesh["dp"]
     else:
         mesh = dp_mesh = init_device_mesh("cpu", (WORLD,))
