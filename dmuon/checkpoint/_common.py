@@ -53,15 +53,10 @@ def prepare(model: nn.Module) -> DMuonState:
     return state
 
 
-def rank0_coord(state: DMuonState) -> int:
-    """Global rank 0's slot in dmuon's grid (without TP: under TP only tp index 0's row holds it)."""
-    return state.ctx.global_ranks.index(0)
-
-
 def rank0_owns(state: DMuonState, owner: int) -> bool:
     """Whether global rank 0 is slot ``owner`` of every rank's row, so a rank-0 dict needs no broadcast
-    for it. Never under TP: the owner's other tp ranks are in other rows."""
-    return state.tp_mesh is None and owner == rank0_coord(state)
+    for it. Never under TP: the owner's other tp ranks are in other rows (which do not hold rank 0)."""
+    return state.tp_mesh is None and owner == state.ctx.global_ranks.index(0)
 
 
 def tp_rank(state: DMuonState) -> int | None:
