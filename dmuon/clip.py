@@ -97,11 +97,10 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
-    every = state.tp_mesh is not None
     if inf:  # NaN-propagating across ranks, whatever the backend's MAX does
-        total = C.all_reduce_max(ctx, acc, every_rank=every)
+        total = C.all_reduce_max(ctx, acc)
     else:
-        total = C.all_reduce_sum(ctx, acc, every_rank=every) ** (1.0 / norm_type)
+        total = C.all_reduce_sum(ctx, acc) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -196,5 +196,5 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
             calls = _ns_calls(optimizer)
             row["expected"]["tp_exchange"] = sum(c[4] for c in calls)
             row["ns_flops"] = sum(n * ns_cost(shape) for n, shape, _, _, _ in calls if n)
-    rows = all_gather_object(ctx, row, every_rank=state.tp_mesh is not None)  # under TP: every tp index too
+    rows = all_gather_object(ctx, row)  # every rank of the job: under TP, every tp index too
     return Summary(sorted(rows, key=lambda r: r["rank"]))  # type: ignore[arg-type]

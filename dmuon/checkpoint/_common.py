@@ -66,7 +66,7 @@ def tp_rank(state: DMuonState) -> int | None:
 
 def gather_views(state: DMuonState, obj: object) -> list[object]:
     """Every rank's ``obj``: dmuon's world, or under TP the default group (every row)."""
-    return C.all_gather_object(state.ctx, obj, every_rank=state.tp_mesh is not None)
+    return C.all_gather_object(state.ctx, obj)
 
 
 def detect_mode(state: DMuonState, what: str, has_dict: bool, local_errors: list[str], fingerprint: str) -> Mode:
@@ -121,7 +121,7 @@ def bcast_from_rank0(state: DMuonState, value: torch.Tensor | None, shape: torch
         buf = value.detach().to(state.ctx.device, dtype).clone()
     else:
         buf = torch.empty(shape, dtype=dtype, device=state.ctx.device)
-    return C.broadcast_from_rank0(state.ctx, buf, CommKind.CHECKPOINT, label, every_rank=state.tp_mesh is not None)
+    return C.broadcast_from_rank0(state.ctx, buf, CommKind.CHECKPOINT, label)
 
 
 def bcast_from_owner(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | None, shape: torch.Size,
@@ -144,7 +144,7 @@ def bcast_from_owner(state: DMuonState, dp: DedicatedParam, value: torch.Tensor 
 
 def bcast_object_from_rank0(state: DMuonState, obj: object) -> object:
     """A small picklable object from global rank 0 to every rank (rank-0 mode's metadata)."""
-    return C.broadcast_object_from_rank0(state.ctx, obj, every_rank=state.tp_mesh is not None)
+    return C.broadcast_object_from_rank0(state.ctx, obj)
 
 
 def scatter_dtensor(like: DTensor, full: torch.Tensor | None, mode: Mode, state: DMuonState,

@@ -257,7 +257,7 @@ def collect(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any]
         return {}
     with torch.no_grad():
         parts = torch.stack([_part(it, values.get(it.key), ctx, everything_here, tp_rank) for it in items])
-        total = C.all_reduce_sum(ctx, parts, every_rank=tp_rank is not None) % P
+        total = C.all_reduce_sum(ctx, parts) % P
     return dict(zip((it.key for it in items), (int(x) for x in total.tolist())))
 
 
@@ -276,8 +276,7 @@ def mismatches(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, A
     me = dist.get_rank() == 0
     with torch.no_grad():
         want = C.all_reduce_sum(ctx, torch.tensor([expected.get(it.key, -1) + 1 if me else 0 for it in items],
-                                                  dtype=torch.int64, device=ctx.device),
-                                every_rank=tp_rank is not None).tolist()
+                                                  dtype=torch.int64, device=ctx.device)).tolist()
     if not any(want):
         return []
     got = collect(ctx, items, values, everything_here=rank0_only and me, tp_rank=tp_rank)

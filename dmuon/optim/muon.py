@@ -267,9 +267,9 @@ class Muon(torch.optim.Optimizer):
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
         except Exception as e:  # noqa: BLE001 - any local failure must reach the gather, or the peers wait in it
             error = e
-        # under TP over every rank: an error on one tp index's ranks must stop the others too
+        # over every rank of the job: under TP, an error on one tp index's ranks stops the others too
         views = C.all_gather_object(state.ctx, (None if error is None else f"{type(error).__name__}: {error}",
-                                                repr(resolved)), every_rank=state.tp_mesh is not None)
+                                                repr(resolved)))
         if error is not None:
             raise error
         for rank, (err, fingerprint) in enumerate(views):

@@ -142,6 +142,13 @@ class CommContext:
         return self.replicate_index * self.shard_size + self.shard_index
 
     @property
+    def spans_job(self) -> bool:
+        """Whether dmuon's grid holds every rank of the job: so except under tensor parallelism, where there is
+        one grid per tp index. The agreement collectives below (small gathers and sums that every rank must
+        see alike) run over dmuon's world group when it does, over the default group when not."""
+        return self.world_size == dist.get_world_size()
+
+    @property
     def global_ranks(self) -> tuple[int, ...]:
         """Global rank of every slot, in slot order."""
         return tuple(r for row in self.grid for r in row)
@@ -350,26 +357,28 @@ def wait(pending: PendingComm) -> torch.Tensor:
     return pending.tensor
 
 
-def all_reduce_sum(ctx: CommContext, value: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
-    """Sum a tensor of a few elements over dmuon's ranks (``every_rank``: the default group's, which under
-    tensor parallelism spans every tp index) and wait (a NaN or inf carries through, as in any addition).
-    Not counted: a few bytes (the clip norm)."""
-    if every_rank:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    elif ctx.world_size > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=ctx.groups[Dim.WORLD])
+def _job_group(ctx: CommContext) -> dist.ProcessGroup | None:
+    """The group of every rank of the job: dmuon's world group, or under TP the default group (``None``)."""
+    return ctx.groups[Dim.WORLD] if ctx.spans_job else None
+
+
+def all_reduce_sum(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor of a few elements over every rank of the job (:attr:`CommContext.spans_job`) and wait (a
+    NaN or inf carries through, as in any addition). Not counted: a few bytes (the clip norm)."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=_job_group(ctx))
     return value
 
 
-def all_reduce_max(ctx: CommContext, value: torch.Tensor, *, every_rank: bool = False) -> torch.Tensor:
-    """The elementwise maximum of a few-element tensor over dmuon's ranks (``every_rank``: the default
-    group's), NaN-propagating like ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so
-    whether any rank had one travels as a flag beside the values. Returns a new tensor; not counted."""
-    if ctx.world_size == 1 and not every_rank:
+def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of a few-element tensor over every rank of the job, NaN-propagating like
+    ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so whether any rank had one travels
+    as a flag beside the values. Returns a new tensor; not counted."""
+    if dist.get_world_size() == 1:
         return value
     packed = torch.cat([torch.nan_to_num(value, nan=-math.inf, posinf=math.inf, neginf=-math.inf).reshape(-1),
                         torch.isnan(value).reshape(-1).to(value.dtype)])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=None if every_rank else ctx.groups[Dim.WORLD])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_job_group(ctx))
     n = value.numel()
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
 
@@ -382,17 +391,13 @@ def all_gather_default(obj: object) -> list[object]:
     return out
 
 
-def all_gather_object(ctx: CommContext, obj: object, *, every_rank: bool = False) -> list[object]:
-    """Gather a small picklable object from every rank of dmuon's ranks (plan checks, checkpoint metadata);
-    ``every_rank``: of the default group's, which under tensor parallelism spans every tp index."""
-    if every_rank:
-        out: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    out = [None] * ctx.world_size
-    if ctx.world_size == 1:
+def all_gather_object(ctx: CommContext, obj: object) -> list[object]:
+    """Gather a small picklable object from every rank of the job (plan checks, checkpoint metadata), in
+    global rank order."""
+    if dist.get_world_size() == 1:
         return [obj]
-    dist.all_gather_object(out, obj, group=ctx.groups[Dim.WORLD])
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_job_group(ctx))
     return out
 
 
@@ -408,12 +413,10 @@ def broadcast_object(ctx: CommContext, obj: object, src: int) -> object:
 # --------------------------------------------------------------------------------------------------- #
 # State dicts: from global rank 0, and whole tensor-parallel matrices                                  #
 # --------------------------------------------------------------------------------------------------- #
-def broadcast_from_rank0(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label: str = "", *,
-                         every_rank: bool = False) -> torch.Tensor:
-    """Broadcast ``tensor`` in place from global rank 0 over dmuon's ranks (``every_rank``: the default
-    group's, which under tensor parallelism spans every tp index, where dmuon's own groups span one) and
-    wait. Counted on ``"world"``."""
-    if not every_rank:
+def broadcast_from_rank0(ctx: CommContext, tensor: torch.Tensor, kind: CommKind, label: str = "") -> torch.Tensor:
+    """Broadcast ``tensor`` in place from global rank 0 to every rank of the job and wait. Counted on
+    ``"world"``."""
+    if ctx.spans_job:
         return wait(broadcast(ctx, tensor, ctx.global_ranks.index(0), kind, label, dim=Dim.WORLD))
     ctx.counter.record(kind, tensor, Dim.WORLD.value)
     with record_function(f"dmuon::broadcast[world] ({label})"):
@@ -421,10 +424,10 @@ def broadcast_from_rank0(ctx: CommContext, tensor: torch.Tensor, kind: CommKind,
     return tensor
 
 
-def broadcast_object_from_rank0(ctx: CommContext, obj: object, *, every_rank: bool = False) -> object:
-    """A small picklable object from global rank 0 to every rank of dmuon's ranks (``every_rank``: of the
-    default group's); metadata, not counted, as :func:`broadcast_object`."""
-    if not every_rank:
+def broadcast_object_from_rank0(ctx: CommContext, obj: object) -> object:
+    """A small picklable object from global rank 0 to every rank of the job; metadata, not counted, as
+    :func:`broadcast_object`."""
+    if ctx.spans_job:
         return broadcast_object(ctx, obj, ctx.global_ranks.index(0))
     box = [obj]
     dist.broadcast_object_list(box, src=0)
