@@ -9,7 +9,7 @@ on the mode (:func:`detect_mode`), rank 0's tensors and metadata in rank-0 mode 
 is whole in full dicts (:func:`bcast_from_owner`: each row broadcasts its owner's shard, then
 ``comm.tp_all_gather`` concatenates the shards over "tp" along ``tp_dim``: the same bytes a dp-only run
 saves) and sliced on load (:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as
-a DTensor over "tp" (:func:`as_tp_dtensor`), whose chunk offsets DCP records, so any other dp x tp layout
+a DTensor over "tp" (``runtime.param.laid_out_like``), whose chunk offsets DCP records, so any other dp x tp layout
 reads what it needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths."""
 
 from __future__ import annotations
@@ -177,13 +177,6 @@ def tp_slice(like: DTensor, full: torch.Tensor) -> torch.Tensor:
     for d, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
         out = out.narrow(d, int(off), int(size))
     return out
-
-
-def as_tp_dtensor(t: torch.Tensor, like: DTensor) -> DTensor:
-    """The local shard ``t`` (a momentum buffer) as a DTensor laid out like ``like``, aliasing ``t``, so
-    that DCP records its global offsets and ``dcp.load`` fills ``t`` in place."""
-    return DTensor.from_local(t.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
 
 
 def tp_local(v: torch.Tensor, like: DTensor) -> torch.Tensor:

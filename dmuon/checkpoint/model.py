@@ -13,11 +13,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.hooks import DMuonState
-from ..runtime.param import DedicatedParam, local
+from ..runtime.param import DedicatedParam, laid_out_like, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
-    as_tp_dtensor,
     bcast_from_owner,
     bcast_from_rank0,
     detect_mode,
@@ -115,7 +114,7 @@ def get_model_state_dict(
             mine = e.dp is not None and e.dp.owner == ctx.rank
             if sharded:
                 if e.layout is not None and mine:  # (a master shard: as a DTensor too, for its offsets)
-                    out[e.key] = as_tp_dtensor(local(e.tensor), e.layout)  # type: ignore[arg-type]
+                    out[e.key] = laid_out_like(local(e.tensor), e.layout)  # type: ignore[arg-type]
                 elif e.kind is not _Kind.DEDICATED or mine:
                     out[e.key] = e.tensor.detach()
                 continue

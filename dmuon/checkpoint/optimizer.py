@@ -13,12 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
 from ..runtime.hooks import DMuonState, get_state
-from ..runtime.param import DedicatedParam
+from ..runtime.param import DedicatedParam, laid_out_like
 from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
-    as_tp_dtensor,
     bcast_from_owner,
     bcast_from_rank0,
     bcast_object_from_rank0,
@@ -115,7 +114,7 @@ def get_optimizer_state_dict(
                 if mine:
                     st = opt.state[dp.param]
                     out_state[dp.fqn] = (dict(st) if dp.tp_dim is None else
-                                         {k: as_tp_dtensor(v, dp.bound()) for k, v in st.items()})
+                                         {k: laid_out_like(v, dp.bound()) for k, v in st.items()})
                 continue
             out_state[dp.fqn] = {
                 k: finish(bcast_from_owner(state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape),

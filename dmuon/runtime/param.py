@@ -22,7 +22,7 @@ from .errors import raise_internal
 from .precision import refresh_master_
 from .route import Route
 
-__all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "GradState", "DedicatedParam"]
+__all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "laid_out_like", "GradState", "DedicatedParam"]
 
 #: Attribute that marks a parameter as dedicated; its value is the owner's slot in dmuon's grid of ranks
 #: (the mesh rank on a 1-D mesh). FSDP2's patch (``dmuon/_patch.py``) skips every parameter carrying it.
@@ -34,11 +34,14 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[union-attr]
 
 
-def _grad_for(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``g`` (this rank's part) as a ``.grad`` of ``p``: a DTensor laid out like a DTensor ``p``."""
-    if not isinstance(p, DTensor):
-        return g
-    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+def laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t``, this rank's part, laid out like ``like``: where ``like`` is a tensor-parallel DTensor, a DTensor
+    aliasing ``t`` with ``like``'s mesh, placements and global shape (a ``.grad``, a param's new local shard,
+    a momentum buffer for DCP, which then records its global offsets); else ``t`` itself."""
+    if not isinstance(like, DTensor):
+        return t
+    return DTensor.from_local(t.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def is_dedicated(param: torch.Tensor) -> bool:
@@ -167,8 +170,7 @@ class DedicatedParam:
         self.disarm_stash()
         if isinstance(p, DTensor):  # tensor parallel: the local shard lives in the bucket (``.data`` would not alias)
             if p.dtype != view.dtype:  # param_dtype: the wrapper's dtype follows its new local shard's
-                p.data = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                            stride=p.stride())
+                p.data = laid_out_like(view, p)
             p._local_tensor = view
         else:
             p.data = view
@@ -263,7 +265,7 @@ class DedicatedParam:
             if self.stashed_grad is not None:
                 g = self.stashed_grad.add_(g)
                 self.stashed_grad = None
-            p.grad = _grad_for(p, g)
+            p.grad = laid_out_like(g, p)
         self.grad_state = GradState.REDUCED
         return wide is None
 
