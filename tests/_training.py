@@ -131,16 +131,28 @@ class RoutedLlama(TinyLlama):
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor on every rank (dedicated: broadcast from the owner)."""
+    """Every parameter as a full tensor on every rank: a dedicated one broadcast from its owner over dmuon's
+    data-parallel ranks (under TP that is the owner's shard, then gathered over "tp"); FSDP2's DTensors
+    gathered; plain ones as they are. Written with torch.distributed, not dmuon's state-dict functions."""
+    from dmuon.runtime.comm import Dim
+    from dmuon.runtime.hooks import get_state
+
     out = {}
     dedicated = dmuon.get_dedicated_params(model)
+    ctx = get_state(model).ctx if dedicated else None
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in dedicated:
-                owner = p._dedicated_owner_rank
+                shard = p._local_tensor if isinstance(p, DTensor) else p
+                owner = ctx.global_rank(Dim.WORLD, p._dedicated_owner_rank)
                 mine = dist.get_rank() == owner
-                buf = p.detach().clone() if mine else torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                dist.broadcast(buf, src=owner)
+                buf = shard.detach().clone() if mine else torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
+                if ctx.world_size > 1:
+                    dist.broadcast(buf, src=owner, group=ctx.groups[Dim.WORLD])
+                if isinstance(p, DTensor):  # tensor parallel: the shards of the matrix, in tp order
+                    parts = [torch.empty_like(buf) for _ in range(p.device_mesh.size())]
+                    dist.all_gather(parts, buf, group=p.device_mesh.get_group())
+                    buf = torch.cat(parts, dim=p.placements[0].dim)
                 out[name] = buf
             elif isinstance(p, DTensor):
                 out[name] = p.full_tensor().detach().clone()

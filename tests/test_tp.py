@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon
 from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, rel_err
 from tests._dist import rank_threads, run_distributed
+from tests._training import full_weights
 
 VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 96, 2, 16, 8
 STEPS, DP, TP = 10, 2, 2
@@ -112,36 +113,6 @@ def oracle() -> dict:
     return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _full_weights(model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Every weight whole on every rank: dedicated shards from their owner (over the data-parallel ranks of
-    this tp index: ``dp_group``, or dmuon's own group of them), then the DTensor over "tp"; FSDP2's DTensors
-    over "dp" (or HSDP's 2-D mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    from dmuon.runtime.comm import Dim
-    from dmuon.runtime.hooks import get_state
-
-    ctx = get_state(model).ctx
-    out = {}
-    dedicated = dmuon.get_dedicated_params(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in dedicated:
-                shard = p._local_tensor
-                slot = p._dedicated_owner_rank
-                owner = ctx.global_rank(Dim.WORLD, slot) if dp_group is None else dist.get_global_rank(dp_group, slot)
-                buf = shard.clone() if dist.get_rank() == owner else torch.empty(shard.shape)
-                dist.broadcast(buf, src=owner, group=ctx.groups[Dim.WORLD] if dp_group is None else dp_group)
-                parts = [torch.empty_like(buf) for _ in range(TP)]
-                dist.all_gather(parts, buf, group=p.device_mesh.get_group())
-                out[name] = torch.cat(parts, dim=p.placements[0].dim)
-            elif isinstance(p, DTensor):
-                out[name] = p.full_tensor().clone()
-            else:
-                out[name] = p.detach().clone()
-    return out
-
-
 def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False, accum: int = 1,
            replicate: int = 1) -> dict:
     """``replicate > 1``: HSDP x TP on the 3-D mesh ("replicate", "shard", "tp")."""
@@ -180,7 +151,7 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
         losses.append(logged.item())
     counts = dmuon.diagnostics.comm_counts(model)
     summary = dmuon.diagnostics.summarize(model, optimizer=opt)
-    return {"losses": losses, "norms": norms, "weights": _full_weights(model), "counts": counts,
+    return {"losses": losses, "norms": norms, "weights": full_weights(model), "counts": counts,
             "owned": sorted(dmuon.get_owned_params(model)), "summary": summary.as_dict(), "table": str(summary)}
 
 

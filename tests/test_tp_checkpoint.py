@@ -24,6 +24,7 @@ import dmuon
 from dmuon.checkpoint.checksum import checksum_part, chunk_part
 from tests._asserts import assert_bitwise, assert_close_to, worst_weight
 from tests._dist import run_distributed
+from tests._training import full_weights
 from tests.test_tp import (
     ADAMW_LR,
     BATCH,
@@ -36,7 +37,6 @@ from tests.test_tp import (
     WD,
     Net,
     _batches,
-    _full_weights,
     _is_matrix,
     _split_mlps,
     oracle,
@@ -109,8 +109,8 @@ def _run(layout: str, where: str | None = None) -> tuple[dict, dict | None]:
             saved = _save(model, opt, where)
         losses.append(_step(model, opt, dp_mesh, step))
     run = {"losses": losses, "weights": dmuon.get_model_state_dict(model)}
-    if layout == "tp":  # the full dict's gather against tests/test_tp.py's own (broadcast over "dp", gather over "tp")
-        run["independent"] = _full_weights(model, dp_mesh.get_group())
+    if layout == "tp":  # the full dict's gather against tests._training's own (broadcast over "dp", gather over "tp")
+        run["independent"] = full_weights(model)
     return run, saved
 
 
