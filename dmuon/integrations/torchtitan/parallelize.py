@@ -40,6 +40,7 @@ from torchtitan.protocols.module import Module as TitanModule
 
 import dmuon
 
+from ...runtime.comm import all_gather_default
 from ...runtime.precision import is_wider
 from ...partition import OwnerPlan
 from ._fused_qkv import _unhook_fused_qkv
@@ -109,7 +110,9 @@ def _meshes(model: nn.Module, parallel_dims: ParallelDims) -> tuple[DeviceMesh, 
     mesh = init_device_mesh(tp.device_type, tuple(m.size() for m in theirs.values()), mesh_dim_names=names)
     same = mesh["tp"] == tp and all(
         mesh[name].mesh.tolist() == m.mesh.tolist() for name, m in zip(names, theirs.values(), strict=True))
-    if not same:
+    # each rank compares only its own slices of the meshes: agree, so that a mismatch on some ranks raises on
+    # every rank instead of leaving the others waiting in dedicate_params' first collective
+    if not all(all_gather_default(same)):
         raise RuntimeError(
             f"dmuon torchtitan: torchtitan's meshes {theirs} are not the row-major {names} grid dmuon builds "
             f"({mesh}); this torchtitan version lays its mesh out differently (tested: 0.3.0)."
