@@ -1,10 +1,12 @@
 """Owner assignment: which rank runs Newton–Schulz for which weight matrix.
 
 Muon's orthogonalisation needs the *whole* matrix, but under FSDP2 every rank
-only holds a shard. dmuon therefore gives each selected 2-D weight exactly one
-owner rank that gathers the full gradient, runs Newton–Schulz (NS) on it and
-sends the result back. NS time dominates the optimizer step, so the owners must
-be chosen to balance NS FLOPs across ranks; that is what this module does.
+only holds a shard. dmuon therefore gives each selected weight (a matrix, or a
+batch of them such as experts ``[E, m, n]``) exactly one owner rank that gathers
+the full gradient, runs Newton–Schulz (NS) on it and sends the result back. NS
+time dominates the optimizer step, so the owners must be chosen to balance NS
+FLOPs across ranks; that is what this module does. A parameter's cost is the sum
+over its matrices ([Note: matrix blocks] in ``dmuon/runtime/blocks.py``).
 
 Everything here is pure Python (no torch, no torch.distributed) so that every
 rank can compute the plan independently from the same inputs and get
@@ -22,11 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from .runtime.blocks import Blocks
+
 __all__ = [
     "ParamSpec",
     "RankLoad",
     "OwnerPlan",
     "ns_cost",
+    "blocks_ns_cost",
     "shard_ns_cost",
     "assign_owners",
 ]
@@ -41,18 +46,20 @@ __all__ = [
 _SPREAD_SLACK = 0.05
 
 
-def _check_shape(shape: object, what: str) -> tuple[int, int]:
-    """Normalise ``shape`` (tuple, list, torch.Size, ...) to ``(rows, cols)`` of positive ints."""
+def _check_shape(shape: object, what: str, *, batched: bool = False) -> tuple[int, ...]:
+    """Normalise ``shape`` (tuple, list, torch.Size, ...) to ``(rows, cols)`` of positive ints; with
+    ``batched``, to any shape of 2 or more dims (leading dims a batch of matrices, each > 0)."""
     try:
         dims = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
         raise ValueError(
             f"{what}: shape must be a 2-D sequence of positive ints like (4096, 4096), got {shape!r}"
         ) from None
-    if len(dims) != 2:
+    if len(dims) != 2 and not (batched and len(dims) > 2):
         raise ValueError(
-            f"{what}: shape must be 2-D (rows, cols), got {shape!r} with {len(dims)} dims; "
-            "only 2-D weight matrices can be orthogonalised by Muon, route other params to AdamW"
+            f"{what}: shape must be 2-D (rows, cols){' or a batch of them (E, rows, cols)' if batched else ''}, "
+            f"got {shape!r} with {len(dims)} dims; only weight matrices can be orthogonalised by Muon, route "
+            "other params to AdamW"
         )
     out: list[int] = []
     for d in dims:
@@ -64,7 +71,7 @@ def _check_shape(shape: object, what: str) -> tuple[int, int]:
                 f"{what}: shape entries must be positive, got {shape!r}; empty matrices have nothing to orthogonalise"
             )
         out.append(d)
-    return out[0], out[1]
+    return tuple(out)
 
 
 def _ns_flops(rows: int, cols: int) -> int:
@@ -87,16 +94,29 @@ def ns_cost(shape: tuple[int, int]) -> float:
     return float(_ns_flops(rows, cols))
 
 
-def shard_ns_cost(shape: tuple[int, int], tp_split: tuple[int, int] | None) -> float:
-    """:func:`ns_cost` of what one rank carries for a matrix it holds ``shape`` of: the matrix's own, or under
-    tensor parallelism (``tp_split = (tp_dim, tp_size)``, ``shape`` a shard) ``1/tp_size`` of the whole
-    matrix's, since its Newton–Schulz runs whole on one of the owner slot's tp ranks ([Note: TP update] in
-    ``dmuon/optim/tp_update.py``)."""
+def _blocks_flops(blocks: Blocks) -> int:
+    """Exact integer FLOPs of one NS iteration over every matrix of ``blocks``."""
+    return sum(k * _ns_flops(m, n) for (m, n), k in blocks.matrices())
+
+
+def blocks_ns_cost(blocks: Blocks) -> float:
+    """:func:`ns_cost` summed over every matrix of ``blocks`` (experts, row blocks)."""
+    return float(_blocks_flops(blocks))
+
+
+def shard_ns_cost(shape: tuple[int, ...], tp_split: tuple[int, int] | None,
+                  rows: tuple[int, ...] | None = None) -> float:
+    """:func:`ns_cost` of what one rank carries for a parameter it holds ``shape`` of: the sum over its
+    matrices (``shape`` may be a batch ``(E, m, n)``, ``rows`` its row blocks, see [Note: matrix blocks] in
+    ``dmuon/runtime/blocks.py``), or under tensor parallelism (``tp_split = (tp_dim, tp_size)``, ``shape`` a
+    shard of a 2-D matrix) ``1/tp_size`` of the whole matrix's, since its Newton–Schulz runs whole on one of
+    the owner slot's tp ranks ([Note: TP update] in ``dmuon/optim/tp_update.py``)."""
+    dims = _check_shape(shape, "shard_ns_cost", batched=tp_split is None)
     if tp_split is None:
-        return ns_cost(shape)
+        return float(_blocks_flops(Blocks.of(dims, rows, what="shard_ns_cost")))
     dim, t = tp_split
-    rows, cols = _check_shape(shape, "shard_ns_cost")
-    return ns_cost((rows * t, cols) if dim == 0 else (rows, cols * t)) / t
+    full = (dims[0] * t, dims[1]) if dim == 0 else (dims[0], dims[1] * t)
+    return _blocks_flops(Blocks.of(full, rows, what="shard_ns_cost")) / t
 
 
 @dataclass(frozen=True)
@@ -109,12 +129,16 @@ class ParamSpec:
     """
 
     fqn: str
-    shape: tuple[int, int]
+    #: the matrix ``(rows, cols)``, or a batch of matrices ``(E, rows, cols)`` (experts)
+    shape: tuple[int, ...]
     layer: str
     #: tensor parallelism: ``shape`` is a shard of a matrix split ``tp_size`` ways along ``tp_dim``, whose
     #: Newton–Schulz runs on the whole matrix on one of the owner slot's tp ranks ([Note: TP update] in
     #: ``dmuon/optim/tp_update.py``): it weighs ``1/tp_size`` of the whole matrix's cost. ``(tp_dim, tp_size)``
     tp_split: tuple[int, int] | None = None
+    #: declared row blocks of each matrix (fused QKV), ``None``: one block ([Note: matrix blocks] in
+    #: ``dmuon/runtime/blocks.py``)
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -126,16 +150,19 @@ class ParamSpec:
                 f"ParamSpec.layer for {self.fqn!r} must be a str such as 'model.layers.3', got {self.layer!r}"
             )
         # Normalise torch.Size / lists to a plain tuple so specs hash and compare by value.
-        object.__setattr__(self, "shape", _check_shape(self.shape, f"ParamSpec {self.fqn!r}"))
+        what = f"ParamSpec {self.fqn!r}"
+        object.__setattr__(self, "shape", _check_shape(self.shape, what, batched=self.tp_split is None))
+        if self.rows is not None:
+            object.__setattr__(self, "rows", Blocks.of(self.shape, self.rows, what=what).rows)
 
     @property
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
 
     @property
     def cost(self) -> float:
         """NS FLOPs per iteration, see :func:`shard_ns_cost`."""
-        return shard_ns_cost(self.shape, self.tp_split)
+        return shard_ns_cost(self.shape, self.tp_split, self.rows)
 
 
 @dataclass(frozen=True)
@@ -145,7 +172,11 @@ class RankLoad:
     rank: int
     fqns: tuple[str, ...]  # in plan order (descending cost; packed params stay adjacent)
     numel: int
+    #: NS FLOPs per iteration of everything this rank runs: what it owns plus :attr:`engine_cost`
     cost: float
+    #: the part of :attr:`cost` from matrices the engine's shards put here (``Route.MUON_SHARDED`` experts),
+    #: which the plan balances around
+    engine_cost: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fqns", tuple(self.fqns))
@@ -278,6 +309,7 @@ def assign_owners(
     world_size: int,
     *,
     pack_fraction: float = 1 / 64,
+    preload: Sequence[float] | None = None,
 ) -> OwnerPlan:
     """Give every spec exactly one owner rank, balancing NS FLOPs.
 
@@ -288,6 +320,10 @@ def assign_owners(
     fair share are packed per layer into one item (one owner, one bucket),
     because per-matrix collectives for tiny matrices cost more in latency than
     their NS work. ``pack_fraction=0`` disables packing.
+
+    ``preload``: NS work each rank already has that is not the plan's to place
+    (experts on the engine's shards); the greedy starts from it. ``specs`` may
+    be empty when everything Muon updates is preloaded.
 
     The result depends only on the *set* of specs, never on their order, so
     all ranks compute the same plan.
@@ -304,7 +340,10 @@ def assign_owners(
             f"pack_fraction must be a float in [0, 1] (0 disables packing), got {pack_fraction!r}"
         )
     specs = list(specs)
-    if not specs:
+    base = [0] * world_size if preload is None else [int(round(x)) for x in preload]
+    if len(base) != world_size or any(x < 0 for x in base):
+        raise ValueError(f"preload must hold one non-negative cost per rank ({world_size}), got {preload!r}")
+    if not specs and preload is None:
         raise ValueError("assign_owners needs at least one ParamSpec; got an empty list (nothing for Muon to own)")
     for s in specs:
         if not isinstance(s, ParamSpec):
@@ -313,7 +352,7 @@ def assign_owners(
     if dups:
         raise ValueError(f"duplicate fqns in specs: {dups}; each parameter must be listed once")
 
-    loads = [0] * world_size  # exact ints, so ties are real ties
+    loads = list(base)  # exact ints, so ties are real ties
     owned: list[list[_Item]] = [[] for _ in range(world_size)]
     layer_count: dict[tuple[int, str], int] = {}
     for item in _build_items(specs, world_size, pack_fraction):
@@ -332,6 +371,7 @@ def assign_owners(
             fqns=tuple(f for it in owned[r] for f in it.fqns),
             numel=sum(it.numel for it in owned[r]),
             cost=float(loads[r]),
+            engine_cost=float(base[r]),
         )
         for r in range(world_size)
     )

@@ -336,10 +336,24 @@ def test_non_spec_entry_rejected() -> None:
         assign_owners([("w", (4, 4), "l")], 2)  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("shape", [(4, 4, 4), (4,), (0, 4), (4, -2), (4.0, 4)])
+@pytest.mark.parametrize("shape", [(4,), (0, 4), (4, -2), (4.0, 4), (0, 4, 4), (4, 0, 4)])
 def test_bad_param_shape_rejected(shape: object) -> None:
     with pytest.raises(ValueError, match="'w'.*shape"):
         ParamSpec("w", shape, "l")  # type: ignore[arg-type]
+
+
+def test_batched_and_blocked_specs_cost_their_matrices() -> None:
+    """Experts ``[E, m, n]`` weigh ``E`` matrices, never one ``E m x n`` matrix; row blocks weigh each block."""
+    assert ParamSpec("e", (8, 64, 32), "l").cost == 8 * ns_cost((64, 32))
+    assert ParamSpec("e", (8, 64, 32), "l").cost != ns_cost((8 * 64, 32))
+    assert ParamSpec("e", (8, 64, 32), "l").numel == 8 * 64 * 32
+    assert ParamSpec("qkv", (96, 64), "l", rows=(64, 16, 16)).cost == ns_cost((64, 64)) + 2 * ns_cost((16, 64))
+    assert ParamSpec("gu", (4, 64, 32), "l", rows=2).rows == (32, 32)
+    assert ParamSpec("gu", (4, 64, 32), "l", rows=2).cost == 8 * ns_cost((32, 32))
+    with pytest.raises(ValueError, match="do not tile"):
+        ParamSpec("qkv", (96, 64), "l", rows=(64, 16))
+    with pytest.raises(ValueError, match="'w'.*2-D"):
+        ParamSpec("w", (2, 8, 4), "l", tp_split=(0, 2))  # tensor parallelism splits matrices, not batches
 
 
 def test_param_spec_normalises_shape_and_checks_names() -> None:

@@ -158,9 +158,10 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
 def _per_shard_update(params, grads, bufs, hp, *, full_shape, **_) -> None:
     """What the issue rules out: each shard orthogonalised alone (the lr still the full matrix's)."""
     from dmuon.optim.update import _apply_update_, _orthogonalise, _stacked_updates
+    from dmuon.runtime.blocks import Blocks
 
     for p, o in zip(params, _orthogonalise(_stacked_updates(grads, bufs, hp), hp).unbind(0)):
-        _apply_update_(p, o, hp, full_shape)
+        _apply_update_(p, o, hp, Blocks.of(full_shape))
 
 
 def tp_jobs(rank: int, world: int) -> dict:

@@ -33,6 +33,7 @@ def _shardwise_reference(full: list[torch.Tensor], grads: list[list[torch.Tensor
     """Every rank's shards after the steps, with momentum, decay and step on each shard and Newton-Schulz on
     the whole matrices of each tp rank's batch (2-D for a batch of one, as ``muon_update_batch_`` does)."""
     from dmuon.optim.update import _apply_update_, _orthogonalise, _stacked_updates
+    from dmuon.runtime.blocks import Blocks
 
     w = [[x.chunk(world, dim=tp_dim)[r].clone() for x in full] for r in range(world)]
     bufs = [[torch.zeros_like(x) for x in w[r]] for r in range(world)]
@@ -47,7 +48,7 @@ def _shardwise_reference(full: list[torch.Tensor], grads: list[list[torch.Tensor
             orthos = _orthogonalise(batch[0], hp).unsqueeze(0) if len(ks) == 1 else _orthogonalise(batch, hp)
             for k, o in zip(ks, orthos):
                 for r in range(world):
-                    _apply_update_(w[r][k], o.chunk(world, dim=tp_dim)[r].contiguous(), hp, full[0].shape)
+                    _apply_update_(w[r][k], o.chunk(world, dim=tp_dim)[r].contiguous(), hp, Blocks.of(full[0].shape))
     return w
 
 

@@ -9,7 +9,7 @@ elementwise, so they stay on the shards; only Newton–Schulz needs the whole ma
 
 1. the same-shape matrices of one owner slot are dealt round-robin over its tp ranks (matrix ``k`` to tp
    rank ``k mod t``), and one all-to-all over "tp" brings each tp rank the other shards of its matrices;
-2. each tp rank runs the ordinary batched Newton–Schulz (:func:`dmuon.optim.update._orthogonalise`, the
+2. each tp rank runs the ordinary batched Newton–Schulz (:func:`dmuon.optim.update.orthogonalise`, the
    same backend, kernels and CUDA graphs as an owner without TP) on the ``~N/t`` full matrices it got;
 3. a second all-to-all returns every shard of every result to the tp rank that holds that shard.
 
@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import native_dtype
-from .update import MuonHParams, _apply_update_, _orthogonalise, _stacked_updates
+from ..runtime.blocks import Blocks
+from .update import MuonHParams, _apply_update_, _stacked_updates, orthogonalise
 
 __all__ = ["Exchange", "muon_update_tp_", "roots", "exchange_cost"]
 
@@ -78,10 +79,12 @@ def _split(full: Tensor, tp_dim: int, t: int) -> Tensor:
 
 def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
                     hp: MuonHParams, *, full_shape: Sequence[int], tp_dim: int, tp_rank: int, tp_size: int,
-                    exchange: Exchange) -> None:
+                    exchange: Exchange, blocks: Blocks | None = None) -> None:
     """:func:`dmuon.optim.update.muon_update_batch_` for same-shape tensor-parallel *shards* ([Note: TP
     update]): every tp rank of the owner slot passes its shards of the same matrices, in the same order, and
-    each shard receives its part of the full matrix's Muon update (the lr scaled by ``full_shape``).
+    each shard receives its part of the full matrix's Muon update (the lr scaled by ``full_shape``, or by each
+    row block of ``blocks``, which describe the full matrix: [Note: matrix blocks] in
+    ``dmuon/runtime/blocks.py``).
 
     Example::
 
@@ -96,6 +99,9 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     if tp_dim not in (0, 1) or len(full_shape) != 2 or local[tp_dim] * tp_size != full_shape[tp_dim]:
         raise ValueError(f"muon_update_tp_: shards {local} do not split {full_shape} along dim {tp_dim} "
                          f"over {tp_size} tp ranks")
+    blocks = Blocks.of(full_shape, what="muon_update_tp_") if blocks is None else blocks
+    if blocks.shape != full_shape:
+        raise ValueError(f"muon_update_tp_: blocks of {blocks.shape} for matrices of {full_shape}")
     updates = _stacked_updates(grads, momentum_buffers, hp)
     numel = updates[0].numel()
     counts = _dealt(len(params), tp_size)
@@ -110,12 +116,13 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
         full = _assemble(recv.view(tp_size, mine, *local), tp_dim)
         # one matrix goes through the 2-D call, as muon_update_batch_ sends it: the same kernels as an owner
         # without TP that holds this tp rank's matrices
-        orthos = _orthogonalise(full[0], hp).unsqueeze(0) if mine == 1 else _orthogonalise(full, hp)
+        orthos = orthogonalise(full[0], hp, blocks).unsqueeze(0) if mine == 1 else orthogonalise(full, hp, blocks)
         back = _split(orthos.to(out_dtype), tp_dim, tp_size).reshape(-1)  # a no-op cast
     else:
         back = updates.new_empty(0, dtype=out_dtype)
     mine_back = updates.new_empty(len(params) * numel, dtype=out_dtype)
     exchange(back, [mine * numel] * tp_size, mine_back, [c * numel for c in counts])
     from_root = [part.view(c, *local) for part, c in zip(mine_back.split([c * numel for c in counts]), counts)]
+    row_start = tp_rank * local[0] if tp_dim == 0 else 0  # the shard's first row of the full matrix
     for k, p in enumerate(params):
-        _apply_update_(p, from_root[k % tp_size][k // tp_size], hp, full_shape)
+        _apply_update_(p, from_root[k % tp_size][k // tp_size], hp, blocks, row_start)

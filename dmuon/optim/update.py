@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime.blocks import Blocks
 from .newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
@@ -30,7 +31,8 @@ from .newton_schulz import (
     resolve_backend,
 )
 
-__all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_"]
+__all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_",
+           "orthogonalise"]
 
 
 class AdjustLR(enum.Enum):
@@ -56,7 +58,8 @@ class AdjustLR(enum.Enum):
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: AdjustLR, shape: Sequence[int]) -> float:
-    """The learning rate Muon applies to a matrix of ``shape`` (rows, cols)."""
+    """The learning rate Muon applies to one matrix of ``shape`` (rows, cols): a block's own, never a
+    parameter's first two dims (see [Note: matrix blocks] in ``dmuon/runtime/blocks.py``)."""
     rows, cols = shape[0], shape[1]
     if adjust_lr_fn is AdjustLR.ORIGINAL:
         return lr * math.sqrt(max(1.0, rows / cols))
@@ -154,17 +157,29 @@ class AdamWHParams:
 # --------------------------------------------------------------------------------------------------- #
 # The update                                                                                           #
 # --------------------------------------------------------------------------------------------------- #
-def muon_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, hp: MuonHParams) -> None:
-    """One Muon step on one full matrix, in place (same arithmetic as ``torch.optim.Muon`` with the
-    ``"direct"`` backend).
+def muon_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, hp: MuonHParams,
+                 blocks: Blocks | None = None) -> None:
+    """One Muon step on one parameter, in place: a matrix (the same arithmetic as ``torch.optim.Muon`` with
+    the ``"direct"`` backend), or every matrix of ``blocks`` (experts, row blocks), each orthogonalised and
+    scaled alone as ``torch.optim.Muon`` would a parameter of that block's shape.
 
     Example::
 
         muon_update_(w, w.grad, torch.zeros_like(w), MuonHParams(lr=0.02))
+        muon_update_(experts, experts.grad, buf, MuonHParams(), Blocks.of(experts.shape))  # [E, m, n]
     """
+    blocks = _blocks_of(param, blocks)
     momentum_buffer.lerp_(grad, 1 - hp.momentum)
     update = grad.lerp(momentum_buffer, hp.momentum) if hp.nesterov else momentum_buffer
-    _apply_update_(param, _orthogonalise(update, hp), hp)
+    _apply_update_(param, orthogonalise(update, hp, blocks), hp, blocks)
+
+
+def _blocks_of(param: Tensor, blocks: Blocks | None) -> Blocks:
+    if blocks is None:
+        return Blocks.of(param.shape, what="dmuon.optim")
+    if tuple(param.shape) != blocks.shape:
+        raise ValueError(f"dmuon.optim: a parameter of shape {tuple(param.shape)} updated with blocks of {blocks.shape}")
+    return blocks
 
 
 def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
@@ -182,14 +197,44 @@ def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
     return _graphs.run(ns, update, (hp.ns_steps, repr(hp.ns_coefficients), hp.eps, hp.ns_backend))
 
 
-def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, shape: Sequence[int] | None = None) -> None:
+def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
+    """Newton-Schulz of every matrix of ``update``, whose shape is ``blocks.shape`` or ``(N, *blocks.shape)``
+    (``N`` parameters of the same layout, stacked): each run of equal row blocks goes through one batched
+    call, and the result comes back in the update's shape, in Newton-Schulz's native dtype. A lone 2-D
+    matrix takes the 2-D call, as ``torch.optim.Muon`` does."""
+    lead = update.ndim - len(blocks.shape)
+    if lead not in (0, 1) or tuple(update.shape[lead:]) != blocks.shape:
+        raise ValueError(f"dmuon.optim: update of shape {tuple(update.shape)} does not hold blocks of {blocks.shape}")
+    n = blocks.cols
+    if len(blocks.rows) == 1:  # the matrices are the trailing two dims: a view
+        if update.ndim == 2:
+            return _orthogonalise(update, hp)
+        return _orthogonalise(update.reshape(-1, blocks.rows[0], n), hp).view(update.shape)
+    out: Tensor | None = None
+    for run in blocks.runs:
+        region = update[..., run.start:run.stop, :]
+        result = _orthogonalise(region.reshape(-1, run.size, n), hp)
+        if out is None:  # every run has the same native dtype: it depends on the device and backend only
+            out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
+        out[..., run.start:run.stop, :].copy_(result.view(region.shape))
+    return out  # type: ignore[return-value]
+
+
+def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, blocks: Blocks, row_start: int = 0) -> None:
     """Decoupled decay then the scaled step, as ``torch.optim.Muon``. A decay factor of exactly 1 is
-    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off. ``shape``:
-    the full matrix's, where ``param`` is a tensor-parallel shard of it (the lr scales with the matrix)."""
+    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off. Each run
+    of row blocks steps with its own block's lr. ``blocks`` describe the whole parameter; ``param`` may be
+    a tensor-parallel shard of it whose rows start at ``row_start`` of the whole (the lr scales with the
+    block, not the shard)."""
     if hp.lr * hp.weight_decay != 0.0:
         param.mul_(1 - hp.lr * hp.weight_decay)
     # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
-    param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, param.shape if shape is None else shape))
+    runs = blocks.rows_in(row_start, row_start + param.shape[-2])
+    if len(runs) == 1:
+        param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, (runs[0][2], blocks.cols)))
+        return
+    for lo, hi, rows in runs:
+        param[..., lo:hi, :].add_(ortho[..., lo:hi, :], alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, (rows, blocks.cols)))
 
 
 def _stacked_updates(grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor], hp: MuonHParams) -> Tensor:
@@ -206,18 +251,19 @@ def _stacked_updates(grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor]
 
 
 def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
-                       hp: MuonHParams) -> None:
-    """:func:`muon_update_` for same-shape matrices, with one batched Newton-Schulz call: fewer, larger
-    matrix products. Per matrix the arithmetic is unchanged (bit-identical to the one-by-one form on CPU;
-    see ``tests/test_optim.py``).
+                       hp: MuonHParams, blocks: Blocks | None = None) -> None:
+    """:func:`muon_update_` for parameters of the same shape and ``blocks``, with one batched Newton-Schulz
+    call per run of row blocks: fewer, larger matrix products. Per matrix the arithmetic is unchanged
+    (bit-identical to the one-by-one form on CPU; see ``tests/test_optim.py``).
 
     Example::
 
         muon_update_batch_([w1, w2], [g1, g2], [b1, b2], MuonHParams())
     """
     if len(params) == 1:
-        muon_update_(params[0], grads[0], momentum_buffers[0], hp)
+        muon_update_(params[0], grads[0], momentum_buffers[0], hp, blocks)
         return
-    orthos = _orthogonalise(_stacked_updates(grads, momentum_buffers, hp), hp)
+    blocks = _blocks_of(params[0], blocks)
+    orthos = orthogonalise(_stacked_updates(grads, momentum_buffers, hp), hp, blocks)
     for p, o in zip(params, orthos.unbind(0)):
-        _apply_update_(p, o, hp)
+        _apply_update_(p, o, hp, blocks)
