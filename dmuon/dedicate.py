@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -22,46 +21,19 @@ from torch.distributed.tensor import DTensor
 from ._fsdp import FSDPModule
 from ._patch import install_patch
 from .integrations import activate_installed_glue
-from .partition import OwnerPlan, ParamSpec, assign_owners
+from .partition import OwnerPlan, ParamSpec, assign_owners, blocks_ns_cost
 from .runtime import comm as C
 from .runtime.config import RuntimeConfig
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
 from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local
-from .runtime.precision import is_wider
 from .runtime.route import REPLICATED_ATTR, Route
+from .selection import (DEFAULT_BOUNDARY_PATTERN, BlocksFn, Predicate, RouteFn, Selected, default_boundary,
+                        dim0_placements, engine_loads, plan_shape, select, tp_split)
 
 __all__ = ["dedicate_params", "DEFAULT_BOUNDARY_PATTERN"]
 
 logger = logging.getLogger("dmuon")
-
-#: A module whose name path ends in ``layers.N`` or ``blocks.N`` is a default hook boundary.
-DEFAULT_BOUNDARY_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
-
-Predicate = Callable[[str, nn.Parameter], bool]
-#: ``route(fqn, param)``: a :class:`dmuon.Route` (or its value, e.g. ``"adamw_owner"``), or ``None``
-#: to leave the param to ``predicate`` (selected: ``Route.MUON``; else FSDP2's).
-RouteFn = Callable[[str, nn.Parameter], "Route | str | None"]
-
-
-class _Selected(NamedTuple):
-    fqn: str
-    module_path: str
-    name: str
-    module: nn.Module
-    param: nn.Parameter
-    route: Route = Route.MUON
-
-
-def _default_boundary(module_path: str) -> str | None:
-    """Nearest ancestor-or-self of ``module_path`` whose path ends in ``layers.N`` / ``blocks.N``."""
-    path = module_path
-    while True:
-        if DEFAULT_BOUNDARY_PATTERN.search(path):
-            return path
-        if not path:
-            return None
-        path = path.rsplit(".", 1)[0] if "." in path else ""
 
 
 def _resolve_boundary(
@@ -85,7 +57,7 @@ def _resolve_boundary(
                 "module). Widen the predicate, or pass hook_boundary_strict=False to fall back to the default "
                 "(nearest 'layers.N'/'blocks.N', else the param's own module)."
             )
-    found = _default_boundary(module_path)
+    found = default_boundary(module_path)
     return module_path if found is None else found
 
 
@@ -102,9 +74,11 @@ def dedicate_params(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     route: RouteFn | None = None,
+    blocks: BlocksFn | None = None,
     verbose: bool = True,
 ) -> OwnerPlan:
-    """Give every selected 2-D weight one owner rank; call once per model, before ``fully_shard``.
+    """Give every selected weight (a matrix, or a batch of them such as experts ``[E, m, n]``) one owner
+    rank; call once per model, before ``fully_shard``.
 
     The owner keeps the full tensor (and later its Muon momentum); every other rank keeps the same
     ``nn.Parameter`` object with 0 bytes of storage. Before a *hook boundary* module runs, each owner
@@ -123,8 +97,10 @@ def dedicate_params(
             has one owner over all replicate x shard ranks; the ranks of its shard column keep a copy,
             gradients reduce over the shard group then the replicate group, and ``Muon.step()``
             publishes updates over the replicate group.
-        predicate: ``predicate(fqn, param) -> bool`` selects dedicated params; they must be 2-D and
-            trainable. Default: the weight of every ``nn.Linear`` inside a ``layers.N``/``blocks.N`` block.
+        predicate: ``predicate(fqn, param) -> bool`` selects dedicated params; they must be trainable and
+            at least 2-D: a matrix, or a batch of matrices over the leading dims (experts ``[E, m, n]``,
+            each expert orthogonalised alone). Default: the weight of every ``nn.Linear`` inside a
+            ``layers.N``/``blocks.N`` block.
         hook_boundary_predicate: ``fn(module) -> bool``; a param's boundary becomes its lowest ancestor
             (or own module) for which it is true. Default: nearest ``layers.N``/``blocks.N`` ancestor,
             else the param's own module.
@@ -175,6 +151,16 @@ def dedicate_params(
                 dmuon.dedicate_params(model, mesh, predicate, route=route)
                 fully_shard(model, mesh=mesh)  # the layers hold no FSDP2 params any more
 
+        blocks: ``blocks(fqn, param) -> None | int | list[int]`` declares *row blocks* of a selected
+            param, each orthogonalised alone ([Note: matrix blocks] in ``dmuon/runtime/blocks.py``):
+            ``None`` (default) keeps one matrix per trailing two dims; ``k`` splits the rows into ``k``
+            equal blocks (per-head blocks, a fused gate/up ``[E, 2 I, H]`` with ``2``); a list gives each
+            block's rows (a fused QKV: ``[q_rows, k_rows, v_rows]``). Blocks that do not tile the rows raise
+            ``ValueError``. Each block takes ``adjust_lr_fn`` on its own shape. Example::
+
+                dmuon.dedicate_params(model, mesh, predicate,
+                                      blocks=lambda fqn, p: [4096, 1024, 1024] if fqn.endswith("wqkv.weight") else None)
+
         verbose: ``True`` (default) prints the plan's one-line summary on rank 0 (``dmuon: 84 dedicated
             params over 8 ranks ...``), so a new user sees what was dedicated without configuring logging;
             ``False`` sends it to the ``"dmuon"`` logger at INFO instead.
@@ -195,8 +181,8 @@ def dedicate_params(
     install_patch()
     # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
     try:
-        v = _validate(model, mesh, predicate, route, replicate_mesh, hook_boundary_predicate, hook_boundary_strict,
-                      RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
+        v = _validate(model, mesh, predicate, route, blocks, replicate_mesh, hook_boundary_predicate,
+                      hook_boundary_strict, RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     except Exception as err:  # noqa: BLE001 - also a user predicate's own error: the peers must not wait for it
         if dist.is_available() and dist.is_initialized():
@@ -205,7 +191,8 @@ def dedicate_params(
     # The plan digest covers owners only; add shapes and boundaries so a rank with a differently-shaped
     # model fails here instead of hanging in its first broadcast, and the settings and dtypes: ranks
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
-    dtypes = [f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
+    dtypes = ([f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
+              + [f"sharded {s.fqn} {s.blocks}" for s in v.sharded])
     _agree(None, hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest())
 
     # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
@@ -215,15 +202,17 @@ def dedicate_params(
     # ---------------- mutation ---------------- #
     state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
     state.tp_mesh = v.tp_mesh
+    state.sharded_muon = {s.fqn: s.blocks for s in v.sharded}  # type: ignore[misc]
     for s in v.replicated:
         setattr(s.param, REPLICATED_ATTR, True)
     setattr(model, STATE_ATTR, state)
     activate_installed_glue()
+    line = plan.summary_line() + (f"; {len(v.sharded)} expert params on the engine's shards" if v.sharded else "")
     if dist.get_rank() == 0:
         if verbose:
-            print(plan.summary_line(), flush=True)
+            print(line, flush=True)
         else:
-            logger.info(plan.summary_line())
+            logger.info(line)
     return plan
 
 
@@ -232,71 +221,42 @@ class _Validated(NamedTuple):
     replicate_mesh: DeviceMesh | None
     config: RuntimeConfig
     modules: dict[str, nn.Module]
-    selected: list[_Selected]
+    #: dedicated params (``MUON``, ``ADAMW_OWNER``)
+    selected: list[Selected]
     boundary_of: dict[str, str]
     specs: list[ParamSpec]
     plan: OwnerPlan
     #: params routed ``ADAMW_REPLICATED``
-    replicated: list[_Selected]
+    replicated: list[Selected]
+    #: params routed ``MUON_SHARDED``
+    sharded: list[Selected]
     #: the "tp" dimension of a ("dp", "tp") mesh ([Note: TP update] in dmuon/optim/tp_update.py)
     tp_mesh: DeviceMesh | None
 
 
 def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, route: RouteFn | None,
-              replicate_mesh: DeviceMesh | None,
+              blocks: BlocksFn | None, replicate_mesh: DeviceMesh | None,
               hook_boundary_predicate: Callable[[nn.Module], bool] | None, hook_boundary_strict: bool,
               config: RuntimeConfig) -> _Validated:
     """Every local check of ``dedicate_params`` and the owner plan; changes nothing."""
     mesh, replicate_mesh, tp_mesh = _check_meshes(model, mesh, replicate_mesh)
     _check_model(model, tp_mesh)
     modules = dict(model.named_modules(remove_duplicate=False))
-    selected, replicated = _select(modules, predicate, route, config.param_dtype)
-    for s in selected:
-        _check_tensor_parallel(s, tp_mesh)
+    chosen = select(modules, predicate=predicate, route=route, blocks=blocks, param_dtype=config.param_dtype,
+                    shard_size=mesh.size(), tp_mesh=tp_mesh)
+    selected = chosen.dedicated
     boundary_of = {
         s.fqn: _resolve_boundary(s.fqn, s.module_path, modules, hook_boundary_predicate, hook_boundary_strict)
         for s in selected
     }
-    specs = [ParamSpec(s.fqn, _plan_shape(s), boundary_of[s.fqn], tp_split=_tp_split(s, tp_mesh)) for s in selected]
+    specs = [ParamSpec(s.fqn, plan_shape(s), boundary_of[s.fqn], tp_split=tp_split(s, tp_mesh),
+                       rows=None if s.blocks is None or len(s.blocks.rows) == 1 else s.blocks.rows)
+             for s in selected]
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
-    plan = assign_owners(specs, mesh.size() * replicas)
-    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, replicated, tp_mesh)
-
-
-def _plan_shape(s: _Selected) -> tuple[int, int]:
-    """The shape the owner plan weighs: a matrix's own; an ``ADAMW_OWNER`` param counts as one row of its
-    elements (its NS cost is that of a 1 x n matrix, next to nothing, so the plan packs it with its
-    boundary's matrices)."""
-    shape = local(s.param).shape
-    if s.route is Route.MUON:
-        return int(shape[0]), int(shape[1])
-    return 1, int(shape.numel())
-
-
-def _tp_split(s: _Selected, tp_mesh: DeviceMesh | None) -> tuple[int, int] | None:
-    """``(tp_dim, tp_size)`` of a tensor-parallel Muon matrix, for the owner plan's cost; else ``None``."""
-    if not isinstance(s.param, DTensor) or tp_mesh is None or s.route is not Route.MUON:
-        return None
-    return int(s.param.placements[0].dim), int(tp_mesh.size())  # type: ignore[union-attr]
-
-
-def _check_tensor_parallel(s: _Selected, tp_mesh: DeviceMesh | None) -> None:
-    """A selected DTensor must be a Muon matrix split evenly by rows or columns over the "tp" mesh."""
-    from torch.distributed.tensor import Shard
-
-    p = s.param
-    if not isinstance(p, DTensor):
-        return
-    where = f"dmuon.dedicate_params: {s.fqn!r} is a DTensor"
-    if tp_mesh is None or p.device_mesh != tp_mesh:
-        raise ValueError(f"{where} on {p.device_mesh}; with tensor parallelism pass the 2-D mesh with dims "
-                         "('dp', 'tp') whose 'tp' dimension the weights are sharded over.")
-    if s.route is not Route.MUON or tuple(p.placements) not in ((Shard(0),), (Shard(1),)):
-        raise ValueError(f"{where} placed {tuple(p.placements)}; dmuon dedicates tensor-parallel Muon matrices "
-                         "sharded by rows (ColwiseParallel) or columns (RowwiseParallel).")
-    dim = p.placements[0].dim  # type: ignore[union-attr]
-    if p.shape[dim] % tp_mesh.size():
-        raise ValueError(f"{where} whose dim {dim} ({p.shape[dim]}) does not split evenly over {tp_mesh.size()} tp ranks.")
+    preload = engine_loads(chosen.sharded, mesh.size(), replicas, blocks_ns_cost) if chosen.sharded else None
+    plan = assign_owners(specs, mesh.size() * replicas, preload=preload)
+    return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, chosen.replicated,
+                      chosen.sharded, tp_mesh)
 
 
 def _agree(error: str | None, fingerprint: str | None) -> None:
@@ -390,8 +350,10 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # a DTensor of another mesh: tensor parallelism without the 2-D mesh, or FSDP2's; expert parallelism's
+    # batches split along dim 0 are left to the selection ([Note: routes])
     foreign = [(n, p.device_mesh) for n, p in model.named_parameters()
-               if isinstance(p, DTensor) and p.device_mesh != tp_mesh]
+               if isinstance(p, DTensor) and p.device_mesh != tp_mesh and not (p.ndim > 2 and dim0_placements(p))]
     if foreign and not sharded:
         raise ValueError(
             f"dmuon.dedicate_params: {foreign[0][0]!r} is a DTensor on {foreign[0][1]} (tensor parallel?); pass "
@@ -404,97 +366,8 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
         )
 
 
-def _select(modules: dict[str, nn.Module], predicate: Predicate | None, route: RouteFn | None,
-            param_dtype: torch.dtype | None) -> tuple[list[_Selected], list[_Selected]]:
-    """Every parameter to dedicate (``route`` first, then ``predicate`` under any of its names: a tied
-    weight has several), each object once, under its first name, checked; and those routed
-    ``ADAMW_REPLICATED``."""
-    aliases_of: dict[int, list[_Selected]] = {}
-    for module_path, module in modules.items():
-        for name, p in module._parameters.items():
-            if p is None:
-                continue
-            fqn = f"{module_path}.{name}" if module_path else name
-            aliases_of.setdefault(id(p), []).append(_Selected(fqn, module_path, name, module, p))
-    selected, replicated = [], []
-    for aliases in aliases_of.values():
-        chosen = _route_of(aliases, predicate, route)
-        if chosen is None or chosen[1] is Route.ADAMW_SHARDED:
-            continue
-        hit, r = chosen
-        if r is Route.ADAMW_REPLICATED:
-            replicated.append(aliases[0])
-            continue
-        _check_selected(hit._replace(route=r), [s.fqn for s in aliases], param_dtype)
-        selected.append(aliases[0]._replace(route=r))
-    if not selected:
-        raise ValueError(
-            "dmuon.dedicate_params: the predicate selected no parameters"
-            + ("" if predicate is not None else " (default: nn.Linear weights inside 'layers.N'/'blocks.N')")
-            + "; pass predicate=lambda name, p: ... selecting the 2-D weights Muon should own."
-        )
-    return selected, replicated
-
-
-def _route_of(aliases: list[_Selected], predicate: Predicate | None, route: RouteFn | None
-              ) -> tuple[_Selected, Route] | None:
-    """The alias that decided and its route: ``route``'s answer where it has one (the same for every name
-    of a tied weight), else ``Route.MUON`` where ``predicate`` selects any name; ``None``: FSDP2's."""
-    if route is not None:
-        answers = [(s, Route.parse(route(s.fqn, s.param), f"dmuon.dedicate_params: route({s.fqn!r})"))
-                   for s in aliases]
-        answers = [(s, r) for s, r in answers if r is not None]
-        if len({r for _, r in answers}) > 1:
-            raise ValueError(
-                f"dmuon.dedicate_params: {aliases[0].fqn!r} is one tensor under several names, and route gives "
-                f"them different routes ({', '.join(f'{s.fqn}: {r.value}' for s, r in answers)}); give every "
-                "name the same one."
-            )
-        if answers:
-            return answers[0]
-    hits = [s for s in aliases if (predicate(s.fqn, s.param) if predicate is not None
-                                   else _default_select(s.module_path, s.module, s.name, s.param))]
-    return (hits[0], Route.MUON) if hits else None
-
-
-def _check_selected(s: _Selected, names: list[str], param_dtype: torch.dtype | None) -> None:
-    fqn, p = s.fqn, s.param
-    if s.route is Route.MUON and p.ndim != 2:
-        raise ValueError(
-            f"dmuon.dedicate_params: predicate selected {fqn!r} with shape {tuple(p.shape)}; only 2-D weight "
-            "matrices can take Muon (it orthogonalises matrices). Exclude it from the predicate, or route it "
-            "'adamw_owner' to dedicate it with AdamW on its owner."
-        )
-    if s.route is Route.ADAMW_OWNER and p.ndim == 0:
-        raise ValueError(f"dmuon.dedicate_params: route 'adamw_owner' for the scalar {fqn!r}; only params with at "
-                         "least one dimension can be dedicated. Route it 'adamw_replicated' or leave it to FSDP2.")
-    if s.route is Route.ADAMW_OWNER and param_dtype is not None:
-        raise ValueError(
-            f"dmuon.dedicate_params: route 'adamw_owner' for {fqn!r} with param_dtype={param_dtype}: an owner's "
-            "AdamW on a param_dtype compute copy is not supported. Leave it to FSDP2 (its MixedPrecisionPolicy "
-            "casts it) or drop param_dtype."
-        )
-    if not p.requires_grad:
-        raise ValueError(
-            f"dmuon.dedicate_params: predicate selected frozen param {fqn!r} (requires_grad=False); frozen "
-            "params have no gradient to reduce. Exclude it from the predicate."
-        )
-    if param_dtype is not None and is_wider(param_dtype, p.dtype):
-        raise ValueError(
-            f"dmuon.dedicate_params: param_dtype={param_dtype} is wider than {fqn!r} ({p.dtype}); "
-            "param_dtype is the lower-precision compute dtype (the owner keeps the param's own dtype as "
-            "the master). Pass a narrower param_dtype, or None."
-        )
-    if len(names) > 1:
-        others = [n for n in names if n != fqn]
-        raise ValueError(
-            f"dmuon.dedicate_params: {fqn!r} is shared (also registered as {others}); tied "
-            "weights cannot be dedicated. Exclude every name of it from the predicate."
-        )
-
-
 def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, plan: OwnerPlan,
-                 selected: list[_Selected], boundary_of: dict[str, str], modules: dict[str, nn.Module]
+                 selected: list[Selected], boundary_of: dict[str, str], modules: dict[str, nn.Module]
                  ) -> DMuonState:
     """The per-matrix records, boundary groups and hooks; the owners' values go into their buckets."""
     dps_by_boundary: dict[str, list[DedicatedParam]] = {}
@@ -504,7 +377,7 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
         dp = DedicatedParam(s.fqn, s.module, s.name, owner, torch.Size(local(p).shape), p.dtype,
                             config.param_dtype if config.param_dtype != p.dtype else None, is_owner=owner == ctx.rank,
                             route=s.route, tp_dim=p.placements[0].dim if isinstance(p, DTensor) else None,
-                            full_shape=torch.Size(p.shape))
+                            full_shape=torch.Size(p.shape), blocks=s.blocks)
         setattr(p, DEDICATED_ATTR, owner)
         dps_by_boundary.setdefault(boundary_of[s.fqn], []).append(dp)
     groups = [(modules[b], BoundaryGroup(b, dps, ctx, config)) for b, dps in dps_by_boundary.items()]
@@ -516,14 +389,3 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     # its broadcasts and all-reduces (torch's own ignore mechanism); without DDP nothing reads it.
     model._ddp_params_and_buffers_to_ignore = [s.fqn for s in selected]
     return state
-
-
-def _default_select(module_path: str, module: nn.Module, name: str, p: nn.Parameter) -> bool:
-    """``predicate=None``: the weight of every ``nn.Linear`` inside a ``layers.N``/``blocks.N`` block.
-    Embeddings and output heads stay on AdamW, as Muon intends."""
-    return (
-        isinstance(module, nn.Linear)
-        and name == "weight"
-        and p.ndim == 2
-        and _default_boundary(module_path) is not None
-    )

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .optim.groups import canonical_name
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
 from .optim.tp_update import exchange_cost
 from .partition import ns_cost, shard_ns_cost
+from .runtime.blocks import Blocks
 from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .runtime.hooks import get_state
@@ -84,30 +86,39 @@ def ns_backends(optimizer: Muon) -> list[dict[str, Any]]:
 
 def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.device, int]]:
     """``(batch, matrix shape, backend, device, tp elements sent)`` of each batched NS call one ``step()`` of
-    this rank makes. A tensor-parallel shape group runs NS on the full matrices dealt to this tp rank
-    ([Note: TP update] in ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
+    this rank makes: one per run of equal row blocks of each layout group ([Note: matrix blocks] in
+    ``dmuon/runtime/blocks.py``), the engine's shards of ``muon_sharded`` params included. A tensor-parallel
+    shape group runs NS on the full matrices dealt to this tp rank ([Note: TP update] in
+    ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
     state = optimizer._dmuon_state
     dps = {id(dp.param): dp for dp in state.dedicated()}
+    layouts = optimizer._layouts(state)
     out = []
     for group in optimizer.param_groups:
-        if group["kind"] != "muon":
+        if group["kind"] not in ("muon", "muon_sharded"):
             continue
         counts: dict[tuple, int] = {}
         device = torch.device("cpu")
-        for p in group["params"]:
+        for p, name in zip(group["params"], group["param_names"]):
             dp = dps.get(id(p))
-            tp = (dp.tp_dim, tuple(dp.full_shape)) if dp is not None and dp.tp_dim is not None else None
-            key = (tuple(dp.shape) if dp is not None else tuple(p.shape), tp)
+            if dp is None:  # on the engine's shards: this rank's whole matrices
+                shape = tuple(p.to_local().shape)
+                if not shape[0]:
+                    continue
+                key = (Blocks.of(shape, layouts[canonical_name(name)].rows), None)
+            else:
+                key = (dp.blocks, (dp.tp_dim, math.prod(dp.shape)) if dp.tp_dim is not None else None)
             counts[key] = counts.get(key, 0) + 1
             device = p.device
-        for (shape, tp), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
-            if tp is None:
-                out.append((n, shape, group["ns_backend"], device, 0))
-                continue
-            mine, sent = exchange_cost(n, math.prod(shape), tp_rank=state.tp_mesh.get_local_rank(),
-                                       tp_size=state.tp_mesh.size())
-            if mine or sent:
-                out.append((mine, tp[1], group["ns_backend"], device, sent))
+        for (blocks, tp), n in sorted(counts.items(), key=lambda kv: (kv[0][0].shape, kv[0][0].rows)):
+            mine, sent = n, 0
+            if tp is not None:
+                mine, sent = exchange_cost(n, tp[1], tp_rank=state.tp_mesh.get_local_rank(),
+                                           tp_size=state.tp_mesh.size())
+            for run in blocks.runs:
+                batch = mine * blocks.batch * run.count
+                out.append((batch, (run.size, blocks.cols), group["ns_backend"], device, sent))
+                sent = 0  # the exchange moves each group once
     return [c for c in out if c[0] or c[4]]
 
 
@@ -179,7 +190,8 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
                    "route": dp.route.value,  # an adamw_owner param runs no NS
                    # a TP matrix's NS runs whole on one of its tp ranks: 1/t of it each on average (exactly,
                    # per rank, with ``optimizer``, below)
-                   "ns_flops": shard_ns_cost(tuple(dp.shape), None if dp.tp_dim is None else (dp.tp_dim, tp_size))
+                   "ns_flops": shard_ns_cost(tuple(dp.shape), None if dp.tp_dim is None else (dp.tp_dim, tp_size),
+                                             dp.blocks.rows if dp.blocks is not None else None)
                    if dp.route is Route.MUON else 0.0}
                   for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders
@@ -189,12 +201,14 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     }
     row["owned_elements"] = sum(p["numel"] for p in row["owned"])
     row["owned_bytes"] = sum(p["bytes"] for p in row["owned"])
-    row["ns_flops"] = sum(p["ns_flops"] for p in row["owned"])  # under TP, with ``optimizer``: this tp rank's
+    row["ns_flops"] = sum(p["ns_flops"] for p in row["owned"])
     if optimizer is not None:
+        # what this rank's step really runs: under TP this tp rank's full matrices ([Note: TP update]), and the
+        # engine's shards of ``muon_sharded`` experts ([Note: Muon on the engine's shards])
+        calls = _ns_calls(optimizer)
         row["ns_backends"] = [{**g, "shape": list(g["shape"])} for g in ns_backends(optimizer)]
-        if state.tp_mesh is not None:  # NS runs on full matrices dealt over "tp" ([Note: TP update])
-            calls = _ns_calls(optimizer)
+        row["ns_flops"] = sum(n * ns_cost(shape) for n, shape, _, _, _ in calls if n)
+        if state.tp_mesh is not None:
             row["expected"]["tp_exchange"] = sum(c[4] for c in calls)
-            row["ns_flops"] = sum(n * ns_cost(shape) for n, shape, _, _, _ in calls if n)
     rows = all_gather_object(ctx, row)  # every rank of the job: under TP, every tp index too
     return Summary(sorted(rows, key=lambda r: r["rank"]))  # type: ignore[arg-type]

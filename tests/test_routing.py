@@ -254,9 +254,9 @@ def test_bad_routes_raise_on_every_rank_and_change_nothing():
     expected = {
         "scalar_on_owner": "route 'adamw_owner' for the scalar 'layers.0.scale'",
         "owner_with_param_dtype": f"route 'adamw_owner' for {NORM!r} with param_dtype=torch.bfloat16",
-        "unknown_route": "route must be a dmuon.Route, one of ['muon', 'adamw_owner', 'adamw_sharded', "
+        "unknown_route": "route must be a dmuon.Route, one of ['muon', 'muon_sharded', 'adamw_owner', 'adamw_sharded', "
                          "'adamw_replicated'] or None, got 'owner'",
-        "muon_for_a_norm": "only 2-D weight matrices can take Muon",
+        "muon_for_a_norm": "only weight matrices (2-D, or batches of them",
         "owner_param_in_muon_group": "routed it 'adamw_owner'",
     }
     for rank, res in enumerate(results):

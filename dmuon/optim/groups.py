@@ -16,9 +16,10 @@ constructor's defaults: Muon for the dedicated matrices, AdamW for the rest.
 
 [Note: group layout] ``Muon.param_groups`` are real torch groups, but torch's foreach kernels refuse a
 list that mixes DTensors with plain tensors, and a Muon group holds only the matrices this rank owns.
-So each user group becomes one internal group (``kind="muon"``) or two (``"adamw"``: FSDP2 shards,
-``"adamw_replicated"``: plain params), every internal group carrying the user group's ``name``; then
-come the three default groups. Without user groups that is the layout dmuon always had
+So each user group becomes one internal group (``kind="muon"``), plus ``"muon_sharded"`` where it holds
+params Muon updates on the engine's shards ([Note: Muon on the engine's shards] in ``sharded.py``), or
+two (``"adamw"``: FSDP2 shards, ``"adamw_replicated"``: plain params), every internal group carrying the
+user group's ``name``; then come the default groups. Without user groups that is the layout dmuon always had
 (``muon``, ``adamw``, ``adamw_replicated``). The layout is decided from the global picture (every
 dedicated FQN, not only the owned ones), so it is the same on every rank, and checkpoints match groups
 by index and FQN.
@@ -153,7 +154,7 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
     if use_muon and others:
         p = model.by_name[others[0]]
         why = ("dmuon.dedicate_params(route=...) routed it 'adamw_owner'" if others[0] in model.owner_adamw else
-               f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim != 2 else
+               f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim < 2 else
                "it is not dedicated (Muon needs the whole matrix on one owner): select it in "
                "dmuon.dedicate_params(predicate=...)")
         raise ValueError(f"{where}: use_muon=True but {others[0]!r} cannot take Muon: {why}.")
@@ -212,16 +213,23 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
 
 
 def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned: set[str],
-                 owner_adamw: set[str] = frozenset()) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+                 owner_adamw: set[str] = frozenset(), sharded: set[str] = frozenset()
+                 ) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
     """The internal torch groups of one resolved group ([Note: group layout]), each with its global FQNs:
-    Muon → the matrices this rank owns; AdamW → FSDP2 shards, plain params, and (only where the group has
-    any) the ``adamw_owner`` params this rank owns."""
+    Muon → the matrices this rank owns, and (only where the group has any) the params on the engine's
+    shards (``sharded``); AdamW → FSDP2 shards, plain params, and (only where the group has any) the
+    ``adamw_owner`` params this rank owns."""
     def entry(kind: str, names: list[str], everyone: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
         return (dict(params=[params[n] for n in names], param_names=names, kind=kind, **group.entries()),
                 tuple(everyone))
 
     if group.use_muon:
-        return [entry("muon", [n for n in group.fqns if n in owned], group.fqns)]
+        owners = [n for n in group.fqns if n not in sharded]
+        out = [entry("muon", [n for n in owners if n in owned], owners)]
+        on_shards = [n for n in group.fqns if n in sharded]
+        if on_shards:
+            out.append(entry("muon_sharded", on_shards, on_shards))
+        return out
     plain = [n for n in group.fqns if n not in owner_adamw]
     out = [entry(kind, names, names) for kind, names in (
         ("adamw", [n for n in plain if isinstance(params[n], DTensor)]),

@@ -35,6 +35,7 @@ from ..runtime.param import DedicatedParam, local
 from ..runtime.precision import check_float_dtype, is_wider
 from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
+from . import sharded as engine_muon
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
 from .tp_update import muon_update_tp_
 from .update import AdamWHParams, MuonHParams, muon_update_batch_
@@ -66,7 +67,9 @@ def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
 
 
 def _names(state: DMuonState, route: Route) -> list[str]:
-    """The canonical FQNs of the dedicated params on ``route``."""
+    """The canonical FQNs of the params on ``route``."""
+    if route is Route.MUON_SHARDED:
+        return [canonical_name(fqn) for fqn in state.sharded_muon]
     return [canonical_name(dp.fqn) for dp in state.dedicated() if dp.route is route]
 
 
@@ -225,7 +228,9 @@ class Muon(torch.optim.Optimizer):
         resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
-        adamw_groups = [g for g, _ in internal if g["kind"] != "muon"]
+        engine_muon.check_sharded_params({n: p for g, _ in internal if g["kind"] == engine_muon.KIND
+                                          for n, p in zip(g["param_names"], g["params"])}, self._layouts(state))
+        adamw_groups = [g for g, _ in internal if g["kind"] not in ("muon", engine_muon.KIND)]
         # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
         # our param_groups drive AdamW too.
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused,
@@ -238,6 +243,8 @@ class Muon(torch.optim.Optimizer):
         #: Whether any FSDP2 module existed when this optimizer was built; checked until the first step
         #: (see :meth:`_check_fsdp_since_build`).
         self._fsdp_at_build = bool(fsdp_modules(model))
+        #: ``Route.MUON_SHARDED`` params: the version each one's master last agreed with, by ``id(param)``
+        self._sharded_seen: dict[int, int] = {}
         self._check_pending = True
         self._building = True
         super().__init__([g for g, _ in internal], defaults={})
@@ -261,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         error: BaseException | None = None
         resolved: list[ResolvedGroup] = []
         try:
-            resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON),
+            resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON) + _names(state, Route.MUON_SHARDED),
                                       owner_adamw=_names(state, Route.ADAMW_OWNER),
                                       muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
@@ -288,14 +295,20 @@ class Muon(torch.optim.Optimizer):
         params.update({canonical_name(dp.fqn): dp.bound() for dp in state.owned()})
         owned = {canonical_name(dp.fqn) for dp in state.owned()}
         owner_adamw = set(_names(state, Route.ADAMW_OWNER))
+        sharded = set(_names(state, Route.MUON_SHARDED))
         out = []
         for group in resolved:
-            for g, names in torch_groups(group, params, owned, owner_adamw):
+            for g, names in torch_groups(group, params, owned, owner_adamw, sharded):
                 if g["kind"] in ("muon", "adamw_owned"):
                     g["param_names"] = [fqn_of[n] for n in g["param_names"]]
                     names = tuple(fqn_of[n] for n in names)
                 out.append((g, names))
         return out
+
+    @staticmethod
+    def _layouts(state: DMuonState) -> dict[str, Any]:
+        """The matrices of each ``Route.MUON_SHARDED`` param, by canonical FQN."""
+        return {canonical_name(fqn): blocks for fqn, blocks in state.sharded_muon.items()}
 
     def group_fqns(self) -> list[tuple[str, ...]]:
         """Every rank's FQNs per param group, in ``param_groups`` order (a Muon group's ``params`` hold only
@@ -325,8 +338,10 @@ class Muon(torch.optim.Optimizer):
         (group,) = self._resolve(state.model, state, [param_group], taken=taken,
                                  first_index=len(self.param_groups), with_defaults=False)
         internal = self._torch_groups(state.model, state, [group])
+        engine_muon.check_sharded_params({n: p for g, _ in internal if g["kind"] == engine_muon.KIND
+                                          for n, p in zip(g["param_names"], g["params"])}, self._layouts(state))
         for g, names in internal:
-            if g["kind"] != "muon":
+            if g["kind"] not in ("muon", engine_muon.KIND):
                 self._adamw.add_param_group(g)
             super().add_param_group(g)
             self._group_fqns.append(names)
@@ -396,7 +411,10 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(local(p), dtype=self.update_dtype(dp),
                                                                     memory_format=torch.preserve_format)
         for g in self.param_groups:
-            if g["kind"] == "muon":
+            if g["kind"] == engine_muon.KIND:
+                for p in g["params"]:
+                    engine_muon.materialise(p, self.state[p], self.master_dtype, self._sharded_seen)
+            if g["kind"] in ("muon", engine_muon.KIND):
                 continue
             for p in g["params"]:
                 st = self.state[p]
@@ -416,6 +434,11 @@ class Muon(torch.optim.Optimizer):
         if len(saved_groups) == len(self.param_groups):
             owned = self._owned()
             for group, saved in zip(self.param_groups, saved_groups):
+                if group["kind"] == engine_muon.KIND:
+                    for p, pid in zip(group["params"], saved["params"]):
+                        dtype = engine_muon.master_dtype_of(p, self.master_dtype)
+                        if dtype is not None and state_dict["state"].get(pid):
+                            wide.append((p, dtype, state_dict["state"][pid]))
                 if group["kind"] != "muon":
                     continue
                 for p, pid in zip(group["params"], saved["params"]):
@@ -436,8 +459,9 @@ class Muon(torch.optim.Optimizer):
             for k in ("master", "momentum_buffer"):
                 if k in entry:
                     self.state[p][k] = entry[k].to(device=p.device, dtype=dtype)
+        self._sharded_seen.clear()  # new masters: compare them with the params once at the next step
         # Optimizer.load_state_dict builds new group dicts and a new state map: re-share them with AdamW.
-        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] not in ("muon", engine_muon.KIND)]
         self._adamw.state = self.state
 
     def _replace_state(self, new_state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
@@ -449,6 +473,7 @@ class Muon(torch.optim.Optimizer):
                     g[k] = v
         self.state.clear()
         self.state.update(new_state)
+        self._sharded_seen.clear()
         for dp in self._dmuon_state.dedicated():
             dp.forget_master_version()  # new masters: compare them with the params once at the next step
 
@@ -480,6 +505,8 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._step_muon_group(group, owned)
+            elif group["kind"] == engine_muon.KIND:
+                engine_muon.step_group(group, self.state, self._layouts(state), self.master_dtype, self._sharded_seen)
             elif group["kind"] == "adamw_owned":
                 for p in group["params"]:  # a gradient reduced in a wider dtype: AdamW reads .grad
                     grad = owned[id(p)].reduced_grad()
@@ -507,18 +534,19 @@ class Muon(torch.optim.Optimizer):
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            by_shape.setdefault((tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape),
+            # same layout: one Newton-Schulz call per run of blocks ([Note: matrix blocks])
+            by_shape.setdefault((tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape, dp.blocks),
                                 []).append((p, target, grad))
-        for (_, _, _, tp_dim, full_shape), items in by_shape.items():
+        for (_, _, _, tp_dim, full_shape, blocks), items in by_shape.items():
             args = ([t for _, t, _ in items], [g for _, _, g in items],
                     [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
             if tp_dim is None:
-                muon_update_batch_(*args)
+                muon_update_batch_(*args, blocks)
             else:  # tensor parallel: the full matrix's update, NS on one tp rank per matrix ([Note: TP update])
                 state = self._dmuon_state
                 tp_group = state.tp_mesh.get_group()
                 muon_update_tp_(*args, full_shape=full_shape, tp_dim=tp_dim, tp_rank=state.tp_mesh.get_local_rank(),
-                                tp_size=state.tp_mesh.size(),
+                                tp_size=state.tp_mesh.size(), blocks=blocks,
                                 exchange=lambda *a: C.tp_exchange(state.ctx, *a, group=tp_group))
             for p, target, _ in items:
                 if target is not local(p):  # a master (a tensor-parallel shard is updated in place)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from . import comm as C
+from .blocks import Blocks
 from .comm import CommKind
 from .config import RuntimeConfig
 from .group import BoundaryGroup, GroupState
@@ -96,6 +97,9 @@ class DMuonState:
         self.replicated_params: list[nn.Parameter] = []
         #: The "tp" mesh of tensor-parallel dedicated params (``dedicate_params`` sets it), or ``None``.
         self.tp_mesh: Any = None
+        #: ``Route.MUON_SHARDED`` params by FQN, with their matrices (``dedicate_params`` sets it): Muon runs
+        #: on the engine's shards of them, not on an owner ([Note: routes] in ``dmuon/runtime/route.py``).
+        self.sharded_muon: dict[str, Blocks] = {}
         self.prefetcher = Prefetcher(config.prefetch)
         self._group_of = {dp: g for g in self.groups for dp in g.params}
         self._callback_queued = False

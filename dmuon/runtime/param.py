@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from .blocks import Blocks
 from .errors import raise_internal
 from .precision import refresh_master_
 from .route import Route
@@ -72,7 +73,8 @@ class GradState(enum.Enum):
 
 @dataclass(eq=False)
 class DedicatedParam:
-    """One dedicated parameter (a matrix, or with ``Route.ADAMW_OWNER`` any non-scalar param). The parameter is re-resolved by module and name, never held by identity only,
+    """One dedicated parameter (a matrix or a batch of them, e.g. experts; with ``Route.ADAMW_OWNER`` any
+    non-scalar param). The parameter is re-resolved by module and name, never held by identity only,
     because ``module.to_empty()`` (meta-device init) replaces ``Parameter`` objects."""
 
     # Static #
@@ -94,6 +96,9 @@ class DedicatedParam:
     #: shard and :attr:`full_shape` the matrix's); ``None`` without TP.
     tp_dim: int | None = None
     full_shape: torch.Size | None = None
+    #: ``Route.MUON``: the matrices Muon orthogonalises, of the full shape ([Note: matrix blocks] in
+    #: ``dmuon/runtime/blocks.py``); ``None`` for ``Route.ADAMW_OWNER``.
+    blocks: Blocks | None = None
 
     # Runtime (written only by the methods below) #
     #: The parameter object currently bound to a bucket (``None`` until the first bind).

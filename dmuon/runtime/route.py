@@ -1,8 +1,13 @@
 """Where a parameter's update runs: the routes of ``dmuon.dedicate_params(route=...)``.
 
-[Note: routes] Four places, decided per parameter before ``fully_shard``:
+[Note: routes] Five places, decided per parameter before ``fully_shard``:
 
-* ``MUON``: dedicated; its owner holds it whole and runs Muon (2-D weights only).
+* ``MUON``: dedicated; its owner holds it whole and runs Muon (a matrix, or a batch of them such as experts).
+* ``MUON_SHARDED``: a batch of matrices (experts ``[E, m, n]``) left to the engine's shards of its batch dim:
+  ``fully_shard`` chunks dim 0, expert parallelism places it ``Shard(0)``, so every rank holds whole matrices
+  of it and runs Muon on them where they live, with no gather and no broadcast of dmuon's. The default for a
+  selected batch of at least as many matrices as the shard dimension has ranks, where each rank gets work;
+  a smaller batch is better off on one owner (``MUON``).
 * ``ADAMW_OWNER``: dedicated the same way (broadcast before its boundary runs, gradient reduced to the
   owner), but the owner runs AdamW on it. For the small non-matrix params of a boundary whose matrices
   are all dedicated (norms, biases): that boundary then needs no FSDP2 unit at all.
@@ -28,6 +33,7 @@ class Route(enum.Enum):
     """Where one parameter's update runs ([Note: routes] in ``dmuon/runtime/route.py``)."""
 
     MUON = "muon"
+    MUON_SHARDED = "muon_sharded"
     ADAMW_OWNER = "adamw_owner"
     ADAMW_SHARDED = "adamw_sharded"
     ADAMW_REPLICATED = "adamw_replicated"
@@ -36,6 +42,11 @@ class Route(enum.Enum):
     def dedicated(self) -> bool:
         """Whether the route gives the parameter an owner rank."""
         return self in (Route.MUON, Route.ADAMW_OWNER)
+
+    @property
+    def muon(self) -> bool:
+        """Whether Muon updates the parameter (on an owner, or on the engine's shards)."""
+        return self in (Route.MUON, Route.MUON_SHARDED)
 
     @classmethod
     def parse(cls, value: object, where: str) -> Route | None:

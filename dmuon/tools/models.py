@@ -105,11 +105,14 @@ class Block(nn.Module):
 class TinyLlama(nn.Module):
     """``model(tokens, targets=None) -> CausalLMOutput`` with ``.logits`` and (given targets) ``.loss``."""
 
+    #: the decoder block (the MoE variant swaps in its own)
+    block_cls: type[nn.Module] = Block
+
     def __init__(self, cfg: TinyLlamaConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or TinyLlamaConfig()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

@@ -1,0 +1,111 @@
+"""Muon on the engine's shards: the update of ``Route.MUON_SHARDED`` params (experts ``[E, m, n]``).
+
+[Note: Muon on the engine's shards]
+A batch of matrices needs no owner: ``fully_shard`` chunks dim 0 (``Shard(0)``, like ``torch.chunk``),
+and expert parallelism places experts ``Shard(0)`` over its mesh, so each rank's local tensor of such a
+param is whole matrices, ``[E_local, m, n]``. Newton–Schulz runs right there, batched over the rank's
+matrices, with no gather and no broadcast of dmuon's: the engine's own all-gather before the module and
+reduce-scatter after backward are the "broadcast" and "reduce" of an owner design, and they carry the
+experts whatever the optimizer is. Each expert then has one owner per replicate row (the rank holding its
+chunk); under HSDP every replicate row computes the same update on its copy.
+
+Momentum (and a ``master_dtype`` master) is optimizer state laid out like the param, a DTensor, so
+state dicts treat it as they treat AdamW's moments. A rank whose chunk is empty (more ranks than
+experts) skips the param. The rest is the update of an owned param, per matrix
+(:func:`dmuon.optim.update.muon_update_batch_` on the local tensors, the lr read from each block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..runtime.blocks import Blocks
+from ..runtime.precision import is_wider, refresh_master_
+from .update import MuonHParams, muon_update_batch_
+
+__all__ = ["KIND", "check_sharded_params", "master_dtype_of", "update_target", "step_group", "materialise"]
+
+#: The internal param-group kind of ``Route.MUON_SHARDED`` params ([Note: group layout] in ``groups.py``).
+KIND = "muon_sharded"
+
+
+def _whole_matrices(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and all(
+        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements)
+
+
+def check_sharded_params(named: Mapping[str, nn.Parameter], layouts: Mapping[str, Blocks]) -> None:
+    """Refuse a ``MUON_SHARDED`` param that the engine did not shard along dim 0 (DDP, or no ``fully_shard``;
+    another ``shard_placement_fn``): its local tensor would not be whole matrices. Local and the same on
+    every rank (placements are global)."""
+    for fqn, p in named.items():
+        if not _whole_matrices(p):
+            how = (f"a DTensor placed {tuple(p.placements)}" if isinstance(p, DTensor) else
+                   "not sharded (no fully_shard around it, or DistributedDataParallel)")
+            raise ValueError(
+                f"dmuon.Muon: {fqn!r} ({layouts[fqn].describe()}) is routed 'muon_sharded', Muon on the engine's shards "
+                f"of dim 0, but it is {how}. Wrap it with fully_shard (default placement Shard(0)), or give it one "
+                "owner: dmuon.dedicate_params(..., route=lambda n, p: 'muon' if n == " + repr(fqn) + " else None)."
+            )
+
+
+def master_dtype_of(p: torch.Tensor, master_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of ``p``'s optimizer-state ``"master"``, or ``None`` (same rule as for owned params)."""
+    return master_dtype if master_dtype is not None and is_wider(master_dtype, p.dtype) else None
+
+
+def update_target(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None,
+                  seen: dict[int, int]) -> Tensor:
+    """The local tensor Muon updates for ``p``: its master's (created from the param, or restarted from it if
+    something wrote the param since; see [Note: master weights] in ``dmuon/runtime/precision.py``), or the
+    param's own shard. ``seen``: the param version each master last agreed with, by ``id(p)``."""
+    dtype = master_dtype_of(p, master_dtype)
+    if dtype is None:
+        return p._local_tensor
+    value = p._local_tensor
+    if "master" not in st:
+        st["master"] = p.detach().to(dtype)
+        seen[id(p)] = value._version
+    else:
+        seen[id(p)] = refresh_master_(st["master"]._local_tensor, value, seen.get(id(p)))
+    return st["master"]._local_tensor
+
+
+def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
+    """The zero state a first step would create (sharded state dicts need the keys before training)."""
+    if "momentum_buffer" not in st:
+        update_target(p, st, master_dtype, seen)
+        dtype = master_dtype_of(p, master_dtype) or p.dtype
+        st["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+
+
+def step_group(group: dict[str, Any], state: Mapping[Tensor, dict[str, Any]], layouts: Mapping[str, Blocks],
+               master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
+    """Muon on every rank's whole matrices of the group's params: same local shape, dtypes and blocks batched
+    into one Newton-Schulz call per run of blocks."""
+    hp = MuonHParams.from_group(group)
+    batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor]]] = {}
+    for p, fqn in zip(group["params"], group["param_names"]):
+        if p.grad is None or p._local_tensor.shape[0] == 0:  # no gradient, or an empty chunk on this rank
+            continue
+        st = state[p]
+        target = update_target(p, st, master_dtype, seen)
+        grad = p.grad._local_tensor.to(target.dtype)
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(p, dtype=target.dtype)
+        blocks = Blocks.of(target.shape, layouts[fqn].rows)  # this rank's experts, the param's row blocks
+        batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad))
+    for (*_, blocks), items in batches.items():
+        muon_update_batch_([t for _, t, _ in items], [g for _, _, g in items],
+                           [state[p]["momentum_buffer"]._local_tensor for p, _, _ in items], hp, blocks)
+        for p, target, _ in items:
+            if target is not p._local_tensor:  # a master: round the result into the param
+                with torch.no_grad():
+                    p._local_tensor.copy_(target)
+                seen[id(p)] = p._local_tensor._version
