@@ -26,10 +26,10 @@ from .runtime import comm as C
 from .runtime.config import RuntimeConfig
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
-from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local
+from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local, splits_dim0_only
 from .runtime.route import REPLICATED_ATTR, Route
 from .selection import (DEFAULT_BOUNDARY_PATTERN, BlocksFn, Predicate, RouteFn, Selected, default_boundary,
-                        dim0_placements, engine_loads, plan_shape, select, tp_split)
+                        engine_loads, plan_shape, select, tp_split)
 
 __all__ = ["dedicate_params", "DEFAULT_BOUNDARY_PATTERN"]
 
@@ -353,7 +353,7 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     # a DTensor of another mesh: tensor parallelism without the 2-D mesh, or FSDP2's; expert parallelism's
     # batches split along dim 0 are left to the selection ([Note: routes])
     foreign = [(n, p.device_mesh) for n, p in model.named_parameters()
-               if isinstance(p, DTensor) and p.device_mesh != tp_mesh and not (p.ndim > 2 and dim0_placements(p))]
+               if isinstance(p, DTensor) and p.device_mesh != tp_mesh and not (p.ndim > 2 and splits_dim0_only(p))]
     if foreign and not sharded:
         raise ValueError(
             f"dmuon.dedicate_params: {foreign[0][0]!r} is a DTensor on {foreign[0][1]} (tensor parallel?); pass "

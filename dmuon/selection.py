@@ -15,10 +15,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .runtime.blocks import Blocks, RowBlocks
-from .runtime.param import local
+from .runtime.param import local, splits_dim0_only
 from .runtime.precision import is_wider
 from .runtime.route import Route
 
@@ -187,16 +187,10 @@ def _blocks_of(s: Selected, blocks: BlocksFn | None) -> Blocks:
     return Blocks.of(tuple(s.param.shape), rows, what=f"dmuon.dedicate_params: blocks({s.fqn!r})")
 
 
-def dim0_placements(p: DTensor) -> bool:
-    """Whether every placement of ``p`` splits dim 0 or replicates, so each rank's part is whole matrices of a
-    batch (expert parallelism's ``Shard(0)``, FSDP2's ``Shard(0)`` / strided shard on dim 0)."""
-    return all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements)
-
-
 def _check_engine_placement(s: Selected) -> None:
     """A ``MUON_SHARDED`` param placed before ``dedicate_params`` (expert parallelism) must split dim 0 only."""
     p = s.param
-    if isinstance(p, DTensor) and not dim0_placements(p):
+    if isinstance(p, DTensor) and not splits_dim0_only(p):
         raise ValueError(
             f"dmuon.dedicate_params: {s.fqn!r} is a DTensor placed {tuple(p.placements)} on {p.device_mesh}; Muon "
             "on the engine's shards needs whole matrices on every rank, i.e. experts split along dim 0 only "

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
 from dmuon.runtime.blocks import Blocks
-from dmuon.tools.moe import TinyMoE, TinyMoEConfig, expert_predicate, expert_row_blocks
+from dmuon.tools.moe import TinyMoE, TinyMoEConfig, apply_expert_parallel, expert_predicate, expert_row_blocks
 from tests._dist import DEVICE_TYPE, device, rank_threads
 from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, full_weights, muon_kwargs
 
@@ -107,11 +107,17 @@ class MoERun:
     experts_on_adamw: bool = False
     #: a fused layout without its row blocks: gate and up orthogonalised as one matrix (wrong, likewise)
     ignore_blocks: bool = False
+    #: expert parallelism over this many ranks (``apply_expert_parallel``), FSDP2 over the rest for the experts
+    ep: int = 1
     hp: MuonHParams = MUON_HP
 
 
-def dedicate_moe(model: TinyMoE, mesh, run: MoERun) -> None:
-    """``dedicate_params`` for the MoE model, then FSDP2 per layer and on the root."""
+def dedicate_moe(model: TinyMoE, mesh, run: MoERun, ep_mesh=None) -> None:
+    """``dedicate_params`` for the MoE model, then FSDP2 per layer and on the root; with expert parallelism
+    (``ep_mesh``: a 2-D ("dp", "ep") mesh) the experts are placed first and get their own FSDP2 unit over
+    "dp" whose gradients are averaged over every rank of the job."""
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh["ep"])
     predicate = expert_predicate
     if run.experts_on_adamw:
         def predicate(n, p):  # noqa: E306 - the wrong variant: only the 2-D matrices
@@ -121,6 +127,11 @@ def dedicate_moe(model: TinyMoE, mesh, run: MoERun) -> None:
     dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route,
                           reshard_after_forward=run.reshard_after_forward, verbose=False)
     for layer in model.layers:
+        if ep_mesh is not None:
+            experts = fully_shard(layer.moe.experts, mesh=ep_mesh["dp"])
+            experts.set_gradient_divide_factor(float(dist.get_world_size()))
+            if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM, which a divide factor asks for
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -129,9 +140,11 @@ def train_moe(rank: int, world: int, run: MoERun) -> dict:
     """The custom-loop recipe on the MoE model; each rank its slice of the oracle's global batch."""
     torch.manual_seed(0)
     mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    ep_mesh = None if run.ep == 1 else init_device_mesh(DEVICE_TYPE, (world // run.ep, run.ep),
+                                                        mesh_dim_names=("dp", "ep"))
     model = build_moe(run.cfg).to(device())
     initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.ndim == 3}
-    dedicate_moe(model, mesh, run)
+    dedicate_moe(model, mesh, run, ep_mesh)
     opt = dmuon.Muon(model, **muon_kwargs(run.hp))
     per, dev = GLOBAL_BATCH // world, device()
     losses = []

@@ -31,6 +31,10 @@ RUNS = {
     "sharded_z2": MoERun(steps=STEPS, reshard_after_forward=False),
     "fused_dead": MoERun(steps=STEPS, cfg=FUSED),
     "fused_dead_owner": MoERun(steps=STEPS, cfg=FUSED, expert_route="muon"),
+    # expert parallelism over 2 ranks (tools/moe.apply_expert_parallel), FSDP2 over the rest for the experts
+    "ep_z3": MoERun(steps=STEPS, ep=2),
+    "ep_z2": MoERun(steps=STEPS, ep=2, reshard_after_forward=False),
+    "ep_fused_dead": MoERun(steps=STEPS, cfg=FUSED, ep=2),
 }
 WRONG = ("flattened", "flattened_owner", "experts_on_adamw", "fused_as_one")
 
@@ -74,7 +78,7 @@ def runs(request) -> tuple[int, list[dict]]:
 
 
 def _oracle_of(name: str, oracles: dict) -> dict:
-    return oracles["fused" if name.startswith("fused") else "separate"]
+    return oracles["fused" if "fused" in name else "separate"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -86,7 +90,7 @@ def test_matches_per_expert_oracle(runs, oracles, name):
         assert_bitwise(res[name], r, f"world {world} {name} rank {rank} vs 0")
 
 
-@pytest.mark.parametrize("route", ["owner", "sharded"])
+@pytest.mark.parametrize("route", ["owner", "sharded", "ep"])
 def test_z2_equals_z3_bitwise(runs, route):
     world, results = runs
     for rank, res in enumerate(results):
@@ -134,7 +138,7 @@ def test_dead_expert_decays_like_torch_with_a_zero_gradient(runs, oracles):
     world, results = runs
     want = oracles["fused"]["weights"]
     decay = (1 - RUNS["fused_dead"].hp.lr * RUNS["fused_dead"].hp.weight_decay)
-    for name in ("fused_dead", "fused_dead_owner"):
+    for name in ("fused_dead", "fused_dead_owner", "ep_fused_dead"):
         for key in ("layers.0.moe.experts.gate_up_proj", "layers.1.moe.experts.down_proj"):
             got = results[0][name]["weights"][key][FUSED.dead_expert]
             assert torch.equal(got, want[key][FUSED.dead_expert]), (world, name, key)

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..runtime.blocks import Blocks
+from ..runtime.param import splits_dim0_only
 from ..runtime.precision import is_wider, refresh_master_
 from .update import MuonHParams, muon_update_batch_
 
@@ -35,17 +36,12 @@ __all__ = ["KIND", "check_sharded_params", "master_dtype_of", "update_target", "
 KIND = "muon_sharded"
 
 
-def _whole_matrices(p: torch.Tensor) -> bool:
-    return isinstance(p, DTensor) and all(
-        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements)
-
-
 def check_sharded_params(named: Mapping[str, nn.Parameter], layouts: Mapping[str, Blocks]) -> None:
     """Refuse a ``MUON_SHARDED`` param that the engine did not shard along dim 0 (DDP, or no ``fully_shard``;
     another ``shard_placement_fn``): its local tensor would not be whole matrices. Local and the same on
     every rank (placements are global)."""
     for fqn, p in named.items():
-        if not _whole_matrices(p):
+        if not (isinstance(p, DTensor) and splits_dim0_only(p)):
             how = (f"a DTensor placed {tuple(p.placements)}" if isinstance(p, DTensor) else
                    "not sharded (no fully_shard around it, or DistributedDataParallel)")
             raise ValueError(

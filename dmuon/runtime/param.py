@@ -23,7 +23,8 @@ from .errors import raise_internal
 from .precision import refresh_master_
 from .route import Route
 
-__all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "laid_out_like", "GradState", "DedicatedParam"]
+__all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "laid_out_like", "splits_dim0_only", "GradState",
+           "DedicatedParam"]
 
 #: Attribute that marks a parameter as dedicated; its value is the owner's slot in dmuon's grid of ranks
 #: (the mesh rank on a 1-D mesh). FSDP2's patch (``dmuon/_patch.py``) skips every parameter carrying it.
@@ -43,6 +44,19 @@ def laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return t
     return DTensor.from_local(t.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
+
+
+def splits_dim0_only(p: DTensor) -> bool:
+    """Whether every placement of ``p`` splits dim 0 or replicates, so each rank's part of a batch of matrices
+    is whole matrices: expert parallelism's ``Shard(0)``, FSDP2's ``Shard(0)`` and its strided shard of dim 0
+    over an expert-parallel param (``_StridedShard``, which torch 2.13 does not count as a ``Shard``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def dim0(pl: object) -> bool:
+        strided = type(pl).__name__ == "_StridedShard"
+        return isinstance(pl, Replicate) or ((isinstance(pl, Shard) or strided) and getattr(pl, "dim", None) == 0)
+
+    return all(dim0(pl) for pl in p.placements)
 
 
 def is_dedicated(param: torch.Tensor) -> bool:

@@ -11,7 +11,8 @@ experts are stored the way the large MoE codebases store them: 3-D parameters ho
 A router ``router.gate`` (``[E, D]``, a 2-D Linear) picks the top-``k`` experts per token; an optional
 shared expert is a plain MLP. Experts run one after another on the tokens routed to them (index_add on
 the CPU: deterministic, the same bits on every rank). ``dead_expert`` masks one expert out of the router,
-so it gets no token in any step (its gradient is zeros). The model holds no parallelism.
+so it gets no token in any step (its gradient is zeros). The model holds no parallelism;
+:func:`apply_expert_parallel` adds expert parallelism the plain-PyTorch way.
 
 ``routing="fixed"`` is for tests that compare two runs to 1e-4: learned top-k routing is discontinuous, and a
 last-bit difference between two runs (a gradient summed in another order over ranks) flips a near-tie token
@@ -26,12 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .models import MLP, Attention, TinyLlama, TinyLlamaConfig
 
-__all__ = ["TinyMoEConfig", "TinyMoE", "MoE", "expert_predicate", "expert_row_blocks"]
+__all__ = ["TinyMoEConfig", "TinyMoE", "MoE", "expert_predicate", "expert_row_blocks", "apply_expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,23 @@ class Experts(nn.Module):
         else:
             raise ValueError(f"TinyMoEConfig.layout must be 'separate' or 'fused', got {cfg.layout!r}")
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """The weighted sum of the chosen experts per token, from this rank's experts ``first, first + 1, ...``
+        (all of them without expert parallelism). A module call, so an FSDP2 unit on the experts unshards."""
+        w = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in self.named_parameters()}
+        out = torch.zeros_like(x)
+        for k in range(next(iter(w.values())).shape[0]):
+            token, slot = (chosen == first + k).nonzero(as_tuple=True)
+            if token.numel():
+                out = out.index_add(0, token, self._expert(w, k, x[token]) * weights[token, slot, None])
+        return out
+
+    def _expert(self, w: dict[str, torch.Tensor], e: int, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "separate":
-            h = F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)
-            return h @ self.w2[e].T
-        gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj[e].T
+            h = F.silu(x @ w["w1"][e].T) * (x @ w["w3"][e].T)
+            return h @ w["w2"][e].T
+        gate, up = (x @ w["gate_up_proj"][e].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w["down_proj"][e].T
 
 
 class MoE(nn.Module):
@@ -95,6 +110,8 @@ class MoE(nn.Module):
         self.router.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
         self.shared_expert = MLP(cfg) if cfg.shared_expert else None
+        #: expert parallelism: the mesh the experts are split over (:func:`apply_expert_parallel`)
+        self.ep_mesh: DeviceMesh | None = None
 
     def _route(self, probs: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, chosen)`` per token: the top-k experts, or under fixed routing experts by position."""
@@ -114,14 +131,69 @@ class MoE(nn.Module):
             logits[:, self.cfg.dead_expert] = float("-inf")
         weights, chosen = self._route(logits.softmax(dim=-1), shape[-2])
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in range(self.cfg.n_experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel():
-                out = out.index_add(0, token, self.experts.expert(e, x[token]) * weights[token, slot, None])
+        out = self.experts(x, weights, chosen) if self.ep_mesh is None else self._experts_ep(x, weights, chosen)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape)
+
+
+    def _experts_ep(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: every rank of the ep group runs its experts on the tokens of the whole group
+        (gathered), and each rank sums its own tokens' parts from every rank."""
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()  # type: ignore[union-attr]
+        first = self.ep_mesh.get_local_rank() * (self.cfg.n_experts // ep)  # type: ignore[union-attr]
+        x_all, w_all, c_all = (_Gather.apply(t, group) for t in (x, weights, chosen))
+        return _SumMine.apply(self.experts(x_all, w_all, c_all, first), group)
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's rows, concatenated in rank order; the gradient of a rank's rows sums over the ranks.
+    (Written with all-gather and all-reduce only: gloo has no reduce-scatter.)"""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.n = group, t.shape[0]
+        out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / earlier
+        gather(out, t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad[r * ctx.n:(r + 1) * ctx.n], None
+
+
+class _SumMine(torch.autograd.Function):
+    """Each rank's rows of the sum over ranks (the inverse of :class:`_Gather`)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        total = t.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        n, r = t.shape[0] // dist.get_world_size(group), dist.get_rank(group)
+        return total[r * n:(r + 1) * n]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _Gather.forward(ctx, grad, ctx.group), None
+
+
+def apply_expert_parallel(model: TinyMoE, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE layer's experts over ``ep_mesh`` (``Shard(0)``: rank ``r`` keeps experts ``r E/ep ...``),
+    as torchtitan's expert parallelism places them. Each rank's expert gradients then sum the losses of its ep
+    group's tokens: average them over the whole job (e.g. ``fully_shard(moe.experts, mesh=dp_mesh)`` with
+    ``set_gradient_divide_factor(world_size)``)."""
+    for layer in model.layers:
+        moe = layer.moe
+        if moe.cfg.n_experts % ep_mesh.size():
+            raise ValueError(f"apply_expert_parallel: {moe.cfg.n_experts} experts do not split over {ep_mesh.size()} ranks")
+        for name, p in list(moe.experts.named_parameters()):
+            setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.detach(), ep_mesh, [Shard(0)])))
+        moe.ep_mesh = ep_mesh
 
 
 class MoEBlock(nn.Module):
