@@ -352,11 +352,18 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     # a DTensor of another mesh: tensor parallelism without the 2-D mesh, or FSDP2's; expert parallelism's
     # batches split along dim 0 are left to the selection ([Note: routes])
-    foreign = [(n, p.device_mesh) for n, p in model.named_parameters()
+    foreign = [(n, p) for n, p in model.named_parameters()
                if isinstance(p, DTensor) and p.device_mesh != tp_mesh and not (p.ndim > 2 and splits_dim0_only(p))]
     if foreign and not sharded:
+        name, p = foreign[0]
+        if p.ndim > 2:
+            raise ValueError(
+                f"dmuon.dedicate_params: {name!r} is a DTensor placed {tuple(p.placements)} on {p.device_mesh}; a "
+                "batch of matrices (experts) must be split along dim 0 only (expert parallelism places experts "
+                "Shard(0)), so that every rank holds whole matrices of it. Nothing was changed."
+            )
         raise ValueError(
-            f"dmuon.dedicate_params: {foreign[0][0]!r} is a DTensor on {foreign[0][1]} (tensor parallel?); pass "
+            f"dmuon.dedicate_params: {name!r} is a DTensor on {p.device_mesh} (tensor parallel?); pass "
             "the 2-D mesh with dims ('dp', 'tp') whose 'tp' dimension it is split over. Nothing was changed."
         )
     if sharded or foreign:

@@ -157,3 +157,64 @@ def test_wrong_implementations_miss_the_oracle(runs, oracles):
         weight_err, key = worst_weight(r["weights"], ref["weights"])
         assert loss_err > LOSS_RTOL or weight_err > WEIGHT_RTOL, (name, loss_err, weight_err, key)
         assert weight_err > 2 * WEIGHT_RTOL, f"{name} only {weight_err:.2e} off ({key}); too close to the bound"
+
+
+def moe_misuse_job(rank: int, world: int) -> dict:
+    """Each misuse on every rank: its error, and whether anything was left changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dmuon
+    from dmuon.tools.moe import expert_predicate
+    from tests._dist import DEVICE_TYPE, device
+    from tests._moe import build_moe
+
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    errors: dict[str, str | None] = {}
+
+    def attempt(case: str, model, fn) -> None:
+        try:
+            fn(model)
+            errors[case] = None
+        except ValueError as e:
+            errors[case] = str(e)
+        errors[case + "/untouched"] = str(not any(hasattr(p, "_dedicated_owner_rank") for p in model.parameters()))
+
+    fused = build_moe(FUSED).to(device())
+    attempt("blocks_do_not_tile", fused, lambda m: dmuon.dedicate_params(
+        m, mesh, expert_predicate, blocks=lambda n, p: 5 if n.endswith("gate_up_proj") else None))
+    attempt("sharded_2d", build_moe().to(device()), lambda m: dmuon.dedicate_params(
+        m, mesh, expert_predicate, route=lambda n, p: "muon_sharded" if n.endswith("q_proj.weight") else None))
+    ep = build_moe().to(device())
+    for layer in ep.layers:  # an expert-parallel placement that splits each expert's rows, not the experts
+        w = layer.moe.experts.w1
+        layer.moe.experts.w1 = torch.nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(1)]))
+    attempt("ep_not_dim0", ep, lambda m: dmuon.dedicate_params(m, mesh, expert_predicate))
+    sharded_first = build_moe().to(device())
+    fully_shard(sharded_first.layers[0], mesh=mesh)
+    attempt("fully_shard_first", sharded_first, lambda m: dmuon.dedicate_params(m, mesh, expert_predicate))
+    unwrapped = build_moe().to(device())  # experts left to an engine that never shards them (no fully_shard)
+    dmuon.dedicate_params(unwrapped, mesh, expert_predicate, verbose=False)
+    try:
+        dmuon.Muon(unwrapped)
+        errors["sharded_not_sharded"] = None
+    except ValueError as e:
+        errors["sharded_not_sharded"] = str(e)
+    return errors
+
+
+def test_moe_misuse_raises_on_every_rank_before_anything_changes():
+    results = run_distributed(moe_misuse_job, 2)
+    expected = {
+        "blocks_do_not_tile": "5 row blocks do not tile the 192 rows",
+        "sharded_2d": "only a batch of matrices (3-D or more",
+        "ep_not_dim0": "must be split along dim 0 only",
+        "fully_shard_first": "must run before fully_shard",
+        "sharded_not_sharded": "is routed 'muon_sharded', Muon on the engine's shards of dim 0, but it is not sharded",
+    }
+    for rank, errors in enumerate(results):
+        for case, text in expected.items():
+            assert errors[case] is not None and text in errors[case], (rank, case, errors[case])
+            if case != "sharded_not_sharded":
+                assert errors[case + "/untouched"] == "True", (rank, case)
