@@ -172,6 +172,36 @@ def test_batched_update_is_bitwise_one_by_one(nesterov):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [None, (16, 8, 16)])
+def test_chunked_updates_are_bitwise_unchunked(monkeypatch, rows):
+    """[Note: NS memory]: with the chunk bound below one param (and below one expert batch), each matrix's update
+    is still the unchunked one, bit for bit: experts of 3-D params, row blocks, several params per group."""
+    import dmuon.optim.update as U
+    from dmuon.runtime.blocks import Blocks
+
+    gen = torch.Generator().manual_seed(6)
+    ws = [torch.randn(5, 40, 24, generator=gen) for _ in range(3)]
+    gs = [torch.randn(5, 40, 24, generator=gen) for _ in range(3)]
+    blocks = Blocks.of((5, 40, 24), rows)
+    hp = MuonHParams(lr=0.02, weight_decay=0.1, ns_coefficients=KJ)
+    results = []
+    for chunk in (U.NS_CHUNK_ELEMENTS, 2 * 40 * 24, 1):  # everything at once; two experts; one matrix a call
+        monkeypatch.setattr(U, "NS_CHUNK_ELEMENTS", chunk)
+        w, b = [x.clone() for x in ws], [torch.zeros_like(x) for x in ws]
+        for _ in range(2):
+            U.muon_update_batch_(w, gs, b, hp, blocks)
+        results.append(w)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    # and each matrix is torch's 2-D update of that slice: expert 2, or its middle row block
+    idx = (2,) if rows is None else (2, slice(16, 24))
+    one, buf = ws[0][idx].clone(), torch.zeros_like(ws[0][idx])
+    for _ in range(2):
+        muon_update_(one, gs[0][idx], buf, hp)
+    assert torch.equal(results[0][0][idx], one)
+
+
 NS_FAST = dict(ns_backend="gram", ns_coefficients="polar_express")
 
 

@@ -32,7 +32,16 @@ from .newton_schulz import (
 )
 
 __all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_",
-           "orthogonalise"]
+           "orthogonalise", "NS_CHUNK_ELEMENTS"]
+
+#: [Note: NS memory] The most matrix elements one batched Newton–Schulz call takes. A shape group can be far
+#: larger (every expert of a rank, thousands of 768 x 2048 matrices; every layer's MLP matrix at world size 1),
+#: and a call's float16 copy of its input and its products scale with the batch, so larger groups run in
+#: chunks of at most this many elements (at least one matrix), and :func:`muon_update_batch_` stacks at
+#: most this many elements of updates at a time. The extra memory of a step is then bounded by a few times
+#: this (times 2 bytes) whatever the model, and per matrix the arithmetic is unchanged. 2**26: one chunk is
+#: small enough for :mod:`dmuon.optim._graphs` to replay, and large enough to keep the GPU busy.
+NS_CHUNK_ELEMENTS = 2**26
 
 
 class AdjustLR(enum.Enum):
@@ -183,8 +192,19 @@ def _blocks_of(param: Tensor, blocks: Blocks | None) -> Blocks:
 
 
 def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
-    """Newton-Schulz of one matrix or a stacked group; on CUDA replayed from a graph per shape group
-    ([Note: NS graphs] in ``dmuon/optim/_graphs.py``): the same kernels, bit for bit."""
+    """Newton-Schulz of one matrix or a stacked group, in chunks of at most :data:`NS_CHUNK_ELEMENTS` ([Note: NS
+    memory]); on CUDA replayed from a graph per shape group ([Note: NS graphs] in ``dmuon/optim/_graphs.py``):
+    the same kernels, bit for bit."""
+    if update.ndim == 3 and update.numel() > NS_CHUNK_ELEMENTS and update.shape[0] > 1:
+        per = max(1, NS_CHUNK_ELEMENTS // (update.shape[1] * update.shape[2]))
+        out: Tensor | None = None
+        for i in range(0, update.shape[0], per):
+            part = _orthogonalise(update[i:i + per], hp)
+            if out is None:
+                out = torch.empty(update.shape, dtype=part.dtype, device=update.device)
+            out[i:i + per].copy_(part)  # a graph's output is reused by its next replay
+        return out  # type: ignore[return-value]
+
     def ns(X: Tensor) -> Tensor:
         return newton_schulz_native(X, hp.ns_steps, hp.ns_coefficients, hp.eps, backend=hp.ns_backend)
 
@@ -262,6 +282,11 @@ def muon_update_batch_(params: Sequence[Tensor], grads: Sequence[Tensor], moment
     """
     if len(params) == 1:
         muon_update_(params[0], grads[0], momentum_buffers[0], hp, blocks)
+        return
+    per = max(1, NS_CHUNK_ELEMENTS // max(1, params[0].numel()))
+    if len(params) > per:  # bounded memory: at most a chunk of stacked updates at a time ([Note: NS memory])
+        for i in range(0, len(params), per):
+            muon_update_batch_(params[i:i + per], grads[i:i + per], momentum_buffers[i:i + per], hp, blocks)
         return
     blocks = _blocks_of(params[0], blocks)
     orthos = orthogonalise(_stacked_updates(grads, momentum_buffers, hp), hp, blocks)
