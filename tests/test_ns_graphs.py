@@ -40,10 +40,15 @@ def test_a_new_shape_or_dtype_is_a_new_graph_and_the_cache_is_bounded(monkeypatc
             G = torch.randn(shape, device="cuda").to(dtype)
             assert torch.equal(_graphs.run(lambda X: _eager(X, "auto"), G, key), _eager(G, "auto"))
     assert len(_graphs._graphs) == 4
-    monkeypatch.setattr(_graphs, "MAX_GRAPHS", 2)
+    held = [i.nbytes + o.nbytes for _, i, o in _graphs._graphs.values()]
+    # the byte budget, not a count: room for the newest two of these (5 x 64 x 256 float32 in, float16 out)
+    monkeypatch.setattr(_graphs, "MAX_GRAPH_BYTES", 5 * 64 * 256 * (4 + 2) + held[-1])
     G = torch.randn(5, 64, 256, device="cuda")
     _graphs.run(lambda X: _eager(X, "auto"), G, key)
     assert len(_graphs._graphs) == 2
+    monkeypatch.setattr(_graphs, "MAX_GRAPH_BYTES", 1)  # smaller than any graph: the newest one stays
+    _graphs.run(lambda X: _eager(X, "auto"), torch.randn(6, 64, 256, device="cuda"), key)
+    assert len(_graphs._graphs) == 1
 
 
 def test_the_optimizer_update_is_the_same_with_and_without_graphs(monkeypatch):

@@ -6,10 +6,11 @@ models or large worlds, the host's launches, not the GPU, set its time. The firs
 (shape, dtype, device, steps, coefficients, eps, backend) warms the call up on a side stream (Triton and
 quack compile, cuBLAS picks its kernels), captures it into a graph whose input is a static copy, and
 every call then copies its input in and replays: the same kernels on the same data, so bit-identical to
-the eager call (``tests/test_ns_graphs.py`` on CUDA). A new shape, dtype or owned set is a new key; the
-cache holds :data:`MAX_GRAPHS` and all graphs share one memory pool (they never run at once). Groups of
-more than :data:`MAX_ELEMENTS` elements stay eager: they are GPU-bound, and a graph would keep their
-intermediates reserved between steps. The result is the graph's static output: the caller consumes it
+the eager call (``tests/test_ns_graphs.py`` on CUDA). A new shape, dtype or owned set is a new key; all
+graphs share one memory pool (they never run at once), and each keeps its static input and output between
+steps, so the cache is sized by those bytes, not by a count: past :data:`MAX_GRAPH_BYTES` the least recently
+used graphs go. Groups of more than :data:`MAX_ELEMENTS` elements stay eager: they are GPU-bound, and a
+graph would keep their intermediates reserved between steps. The result is the graph's static output: the caller consumes it
 before the next call with the same key. Set ``DMUON_NS_CUDA_GRAPHS=0`` to keep every call eager.
 Pure tensor math, no ``torch.distributed``; nothing here runs off CUDA.
 """
@@ -24,14 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_ELEMENTS", "MAX_GRAPHS", "enabled", "run", "clear"]
+__all__ = ["MAX_ELEMENTS", "MAX_GRAPH_BYTES", "enabled", "run", "clear"]
 
 #: largest group (batch x rows x cols) replayed from a graph. Measured on an H200 (2026-12-01, two processes):
 #: 4 x 8192 x 2048 (2^26) took 2.91 / 2.93 ms replayed against 4.24 / 3.26 eager; the 8B share's groups of 2^27
 #: and more gain nothing (8 x 14336 x 4096: 35.05 / 35.56 against 34.18 / 34.09)
 MAX_ELEMENTS = 2**26
-#: graphs kept (least recently used dropped first)
-MAX_GRAPHS = 64
+#: static inputs and outputs the kept graphs may hold between steps (least recently used dropped first); a
+#: graph larger than this alone is still kept, as the only one
+MAX_GRAPH_BYTES = 2**29
 
 _graphs: OrderedDict[tuple, tuple[Any, Tensor, Tensor]] = OrderedDict()
 _pool: Any = None
@@ -64,7 +66,7 @@ def run(fn: Callable[[Tensor], Tensor], X: Tensor, key: tuple) -> Tensor:
             static_out = fn(static_in)
         entry = (graph, static_in, static_out)
         _graphs[full_key] = entry
-        while len(_graphs) > MAX_GRAPHS:
+        while len(_graphs) > 1 and sum(i.nbytes + o.nbytes for _, i, o in _graphs.values()) > MAX_GRAPH_BYTES:
             _graphs.popitem(last=False)
     else:
         _graphs.move_to_end(full_key)
