@@ -75,9 +75,7 @@ def uninterrupted_job(rank: int, world: int, ckpt_dir: str | None) -> dict:
                 torch.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(),
                             "eval_loss": eval_loss}, os.path.join(ckpt_dir, "checkpoint.pt"))
             dist.barrier()
-            dcp.save({"model": dmuon.get_model_state_dict(model, sharded=True),
-                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)},
-                     checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+            dcp.save(dmuon.get_state_dict(model, opt, sharded=True), checkpoint_id=os.path.join(ckpt_dir, "dcp"))
         losses.append(_step(model, opt, sched, rank, world, step))
     return {"losses": losses, "model": dmuon.get_model_state_dict(model)}
 
@@ -94,13 +92,12 @@ def resume_job(rank: int, world: int, ckpt_dir: str, model_rank0: bool, optim_ra
     resumed = [_step(model, opt, sched, rank, world, step) for step in range(SAVE_AT, STEPS)]
     out = {"resumed": resumed, "model": dmuon.get_model_state_dict(model), "lrs": lrs}
 
-    # DCP: load into a fresh model/optimizer of this world size, compare with the full dicts saved
+    # DCP: load into a fresh model/optimizer of this world size (the documented recipe: a staged target,
+    # resharded by DCP from the 2-rank layout), compare with the full dicts saved
     model2, opt2, _ = _setup(world, init_seed=456)
-    target = {"model": dmuon.get_model_state_dict(model2, sharded=True),
-              "optim": dmuon.get_optimizer_state_dict(model2, opt2, sharded=True)}
+    target = dmuon.get_state_dict(model2, opt2, sharded=True, staged=True)
     dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
-    dmuon.set_model_state_dict(model2, target["model"])
-    dmuon.set_optimizer_state_dict(model2, opt2, target["optim"])
+    dmuon.set_state_dict(model2, opt2, target)
     out["dcp_model"] = dmuon.get_model_state_dict(model2)
     out["dcp_optim"] = dmuon.get_optimizer_state_dict(model2, opt2)
     if world != 2:

@@ -116,11 +116,9 @@ def _run(layout: str, where: str | None = None) -> tuple[dict, dict | None]:
 
 def _load(model, opt, where: str, form: str) -> None:
     if form == "dcp":
-        target = {"model": dmuon.get_model_state_dict(model, sharded=True),
-                  "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)}
+        target = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
         dcp.load(target, checkpoint_id=f"{where}.dcp")
-        dmuon.set_model_state_dict(model, target["model"])
-        dmuon.set_optimizer_state_dict(model, opt, target["optim"])
+        dmuon.set_state_dict(model, opt, target)
         return
     ckpt = {"model": {}, "optim": {}}
     if form == "full" or dist.get_rank() == 0:
