@@ -68,15 +68,14 @@ def flip_byte(ckpt: str, key: str) -> None:
         f.write(data)
 
 
-def _bad_checkpoints(root: str, layout: str) -> None:
-    """From A and B: T (A with rank 0's data file of B), M and O (A with one bit flipped in FLIPPED's model
-    and optimizer tensor)."""
-    a, b = os.path.join(root, "A"), os.path.join(root, "B")
-    shutil.copytree(a, os.path.join(root, "torn"))
-    shutil.copy(os.path.join(b, "__0_0.distcp"), os.path.join(root, "torn"))
-    for name, key in zip(("model_byte", "optim_byte"), FLIPPED[layout]):
-        shutil.copytree(a, os.path.join(root, name))
-        flip_byte(os.path.join(root, name), key)
+def bad_copies(a: str, b: str, dest: Callable[[str], str], flips: dict[str, str]) -> None:
+    """Bad copies of the DCP checkpoint ``a``: ``dest("torn")`` with rank 0's data file of the later ``b``,
+    and ``dest(name)`` with one bit flipped in key ``flips[name]``."""
+    shutil.copytree(a, dest("torn"))
+    shutil.copy(os.path.join(b, "__0_0.distcp"), dest("torn"))
+    for name, key in flips.items():
+        shutil.copytree(a, dest(name))
+        flip_byte(dest(name), key)
 
 
 # --------------------------------------------------------------------------------------------------- #
@@ -104,15 +103,24 @@ def _differences(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [where]
 
 
-def _load(model: Any, opt: Any, path: str, *, staged: bool = True, cpu_offload: bool = True) -> str:
-    """The documented DCP load; ``"loaded"`` or the ValueError's message."""
+def outcome(load: Callable[[], object]) -> str:
+    """``"loaded"``, or the message of the ValueError that ``load`` raised."""
     try:
-        sd = dmuon.get_state_dict(model, opt, sharded=True, staged=staged, cpu_offload=cpu_offload)
-        dcp.load(sd, checkpoint_id=path)
-        dmuon.set_state_dict(model, opt, sd)
+        load()
     except ValueError as e:
         return str(e)
     return "loaded"
+
+
+def _load(model: Any, opt: Any, path: str, *, staged: bool = True, cpu_offload: bool = True) -> str:
+    """The documented DCP load; ``"loaded"`` or the ValueError's message."""
+
+    def load() -> None:
+        sd = dmuon.get_state_dict(model, opt, sharded=True, staged=staged, cpu_offload=cpu_offload)
+        dcp.load(sd, checkpoint_id=path)
+        dmuon.set_state_dict(model, opt, sd)
+
+    return outcome(load)
 
 
 def _scenario(layout: str, root: str, build: Callable[[], tuple[Any, Any, Step]]) -> dict:
@@ -124,7 +132,8 @@ def _scenario(layout: str, root: str, build: Callable[[], tuple[Any, Any, Step]]
     losses += [(step(s), twin_step(s)) for s in range(1, 3)]
     dcp.save(dmuon.get_state_dict(model, opt, sharded=True), checkpoint_id=os.path.join(root, "B"))
     if dist.get_rank() == 0:
-        _bad_checkpoints(root, layout)
+        bad_copies(os.path.join(root, "A"), os.path.join(root, "B"), lambda name: os.path.join(root, name),
+                   dict(zip(("model_byte", "optim_byte"), FLIPPED[layout])))
     dist.barrier()
     before = _snapshot(model, opt)
     out: dict[str, Any] = {"a_differs": bool(_differences(at_a, before))}
