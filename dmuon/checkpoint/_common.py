@@ -221,9 +221,8 @@ def copy_into_dtensor(live: DTensor, value: DTensor) -> None:
         if value.to_local().device != live.to_local().device:
             value = value.to(live.to_local().device)
         value = value.redistribute(live.device_mesh, live.placements)
-    src, dst = value.to_local(), live.to_local()
-    if src.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr() or src.numel() == 0:
-        dst.copy_(src)
+    if not same_storage(value, live):  # (the live tensor itself: a dict built without staged=True)
+        live.to_local().copy_(value.to_local())
 
 
 # --------------------------------------------------------------------------------------------------- #

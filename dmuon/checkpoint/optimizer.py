@@ -272,13 +272,13 @@ class OptimLoad:
 
 
 def check_optim_sd(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Any, *,
-                   what: str = "set_optimizer_state_dict", problems: tuple[str, ...] = ()) -> OptimLoad:
+                   what: str = "set_optimizer_state_dict") -> OptimLoad:
     """Everything :func:`set_optimizer_state_dict` checks before it changes the optimizer: the dict on each
-    rank, one gather in which every rank agrees (raising together), then the checksums. ``problems``: see
-    ``model.check_model_sd``. Collective; changes nothing."""
+    rank, one gather in which every rank agrees (raising together), then the checksums. Collective; changes
+    nothing."""
     state = _check_optimizer(model, optimizer)
     prepare(model)
-    mode = _agree(optimizer, state, state_dict, what, problems)
+    mode = _agree(optimizer, state, state_dict, what)
     groups, structure, local_state = _sources(state, state_dict, mode)
     _verify_checksums(optimizer, state, state_dict, mode, structure, local_state, what)
     return OptimLoad(optimizer, state, mode, groups, structure, local_state)
@@ -349,10 +349,10 @@ def _aliases_live_state(opt: Muon, state: DMuonState, local_state: Mapping[str, 
     return False
 
 
-def _agree(opt: Muon, state: DMuonState, state_dict: Any, what: str, problems: tuple[str, ...]) -> Mode:
+def _agree(opt: Muon, state: DMuonState, state_dict: Any, what: str) -> Mode:
     """Validate locally, then agree with every rank on the mode (or raise together)."""
-    has = (isinstance(state_dict, Mapping) and len(state_dict) > 0) or bool(problems)
-    errors = list(problems) or (_validate_optim_sd(opt, state, state_dict) if has else [])
+    has = isinstance(state_dict, Mapping) and len(state_dict) > 0
+    errors = _validate_optim_sd(opt, state, state_dict) if has else []
     is_sharded = has and not errors and any(
         isinstance(v, DTensor) for e in state_dict["state"].values() for v in e.values()
     )
