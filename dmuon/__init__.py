@@ -17,7 +17,14 @@ from .api import (
     wait_all_replicate_broadcasts,
 )
 from .clip import clip_grad_norm_, install_torch_clip_routing
-from .checkpoint import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+from .checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from .dedicate import dedicate_params
 from .optim.newton_schulz import newton_schulz
 from .optim import Muon
@@ -41,12 +48,14 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_owned_grads",
     "get_owned_params",
+    "get_state_dict",
     "install_patch",
     "is_patch_installed",
     "newton_schulz",
     "no_sync",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "set_state_dict",
     "uninstall_patch",
     "wait_all_reduces",
     "wait_all_replicate_broadcasts",

@@ -75,9 +75,7 @@ def uninterrupted_job(rank: int, world: int, ckpt_dir: str | None) -> dict:
                 torch.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(),
                             "eval_loss": eval_loss}, os.path.join(ckpt_dir, "checkpoint.pt"))
             dist.barrier()
-            dcp.save({"model": dmuon.get_model_state_dict(model, sharded=True),
-                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)},
-                     checkpoint_id=os.path.join(ckpt_dir, "dcp"))
+            dcp.save(dmuon.get_state_dict(model, opt, sharded=True), checkpoint_id=os.path.join(ckpt_dir, "dcp"))
         losses.append(_step(model, opt, sched, rank, world, step))
     return {"losses": losses, "model": dmuon.get_model_state_dict(model)}
 
@@ -87,20 +85,22 @@ def resume_job(rank: int, world: int, ckpt_dir: str, model_rank0: bool, optim_ra
     Also run the uninterrupted baseline on this world size when it is not 2, and a DCP load."""
     model, opt, sched = _setup(world, init_seed=123)
     ckpt = torch.load(os.path.join(ckpt_dir, "checkpoint.pt"), map_location="cpu", weights_only=False)
-    dmuon.set_model_state_dict(model, ckpt["model"] if (rank == 0 or not model_rank0) else {})
-    dmuon.set_optimizer_state_dict(model, opt, ckpt["optim"] if (rank == 0 or not optim_rank0) else {})
+    if model_rank0 and optim_rank0:  # both halves at once, from rank 0 ({} elsewhere)
+        dmuon.set_state_dict(model, opt, ckpt if rank == 0 else {})
+    else:
+        dmuon.set_model_state_dict(model, ckpt["model"] if (rank == 0 or not model_rank0) else {})
+        dmuon.set_optimizer_state_dict(model, opt, ckpt["optim"] if (rank == 0 or not optim_rank0) else {})
     sched.load_state_dict(ckpt["sched"])
     lrs = [g["lr"] for g in opt.param_groups]
     resumed = [_step(model, opt, sched, rank, world, step) for step in range(SAVE_AT, STEPS)]
     out = {"resumed": resumed, "model": dmuon.get_model_state_dict(model), "lrs": lrs}
 
-    # DCP: load into a fresh model/optimizer of this world size, compare with the full dicts saved
+    # DCP: load into a fresh model/optimizer of this world size (the documented recipe: a staged target,
+    # resharded by DCP from the 2-rank layout), compare with the full dicts saved
     model2, opt2, _ = _setup(world, init_seed=456)
-    target = {"model": dmuon.get_model_state_dict(model2, sharded=True),
-              "optim": dmuon.get_optimizer_state_dict(model2, opt2, sharded=True)}
+    target = dmuon.get_state_dict(model2, opt2, sharded=True, staged=True)
     dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
-    dmuon.set_model_state_dict(model2, target["model"])
-    dmuon.set_optimizer_state_dict(model2, opt2, target["optim"])
+    dmuon.set_state_dict(model2, opt2, target)
     out["dcp_model"] = dmuon.get_model_state_dict(model2)
     out["dcp_optim"] = dmuon.get_optimizer_state_dict(model2, opt2)
     if world != 2:
@@ -132,11 +132,17 @@ def corrupt_job(rank: int, world: int, ckpt_dir: str) -> dict:
     bad_state[key] = {"momentum_buffer": torch.zeros(5, 5)}
     cases["optim_shape"] = ("optim", {"state": bad_state, "param_groups": osd["param_groups"]})
     cases["optim_missing_groups"] = ("optim", {"state": osd["state"]})
+    # both halves at once: a dict without its optimizer half; a good model half with a bad optimizer half
+    # (the model half must not be written: the victim is compared with its twin afterwards)
+    cases["both_missing_optim"] = ("both", {"model": msd})
+    cases["both_bad_optim"] = ("both", {"model": msd, "optim": {"state": bad_state, "param_groups": osd["param_groups"]}})
     errors = {}
     for name, (kind, sd) in cases.items():
         try:
             if kind == "model":
                 dmuon.set_model_state_dict(victim, sd)
+            elif kind == "both":
+                dmuon.set_state_dict(victim, v_opt, sd)
             else:
                 dmuon.set_optimizer_state_dict(victim, v_opt, sd)
             errors[name] = ("no error", "")
@@ -171,7 +177,7 @@ def saved(ckpt_dir, original) -> dict:
 @pytest.fixture(scope="module")
 def resumed(ckpt_dir, original) -> dict:
     # world: (model dict on rank 0 only?, optimizer dict on rank 0 only?)
-    modes = {1: (False, False), 2: (False, False), 3: (True, False), 4: (False, True)}
+    modes = {1: (False, False), 2: (True, True), 3: (True, False), 4: (False, True)}
     # (the NCCL pass runs the world sizes it has GPUs for; the tests of the others skip)
     return {w: run_distributed(resume_job, w, ckpt_dir, *modes[w])[0] for w in (2, 1, 3, 4) if world_available(w)}
 
@@ -255,6 +261,8 @@ def corrupted(ckpt_dir, original) -> dict:
         ("optim_other_model", "ValueError", "unexpected params: [layers.2."),
         ("optim_shape", "ValueError", "momentum_buffer shape (5, 5) != (128, 128)"),
         ("optim_missing_groups", "ValueError", "'state' and 'param_groups'"),
+        ("both_missing_optim", "ValueError", "expected a dict with 'model' and 'optim' entries"),
+        ("both_bad_optim", "ValueError", "set_state_dict ('optim'): the state dict does not match; nothing was changed"),
     ],
 )
 def test_corrupted_inputs_are_rejected(corrupted, case, error, needle):

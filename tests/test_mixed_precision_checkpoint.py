@@ -56,11 +56,9 @@ def resume_job(rank: int, world: int, ckpt_dir: str, opts: MP, modes: list[str])
         model, opt = build(world, opts, seed=123)  # a different init: the load must replace it
         ckpt = torch.load(os.path.join(ckpt_dir, "full.pt"), map_location="cpu", weights_only=False)
         if mode == "dcp":
-            target = {"model": dmuon.get_model_state_dict(model, sharded=True),
-                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)}
+            target = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
             dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
-            dmuon.set_model_state_dict(model, target["model"])
-            dmuon.set_optimizer_state_dict(model, opt, target["optim"])
+            dmuon.set_state_dict(model, opt, target)
         elif mode == "rank0":
             dmuon.set_model_state_dict(model, ckpt["model"] if rank == 0 else {})
             dmuon.set_optimizer_state_dict(model, opt, ckpt["optim"] if rank == 0 else {})

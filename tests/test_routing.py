@@ -112,14 +112,12 @@ def _restart(model, opt, world: int, variant: str, route: str, ckpt_dir: str):
         dist.barrier()
     del model, opt
     model, opt = _build(world, variant, seed=3)
-    if route == "dcp":
-        sd = {"model": dmuon.get_model_state_dict(model, sharded=True),
-              "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)}
+    if route == "dcp":  # a staged target: owner-held AdamW state (adamw_owner) goes through the copies too
+        sd = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
         dcp.load(sd, checkpoint_id=path)
     else:
         sd = torch.load(path, weights_only=True)
-    dmuon.set_model_state_dict(model, sd["model"])
-    dmuon.set_optimizer_state_dict(model, opt, sd["optim"])
+    dmuon.set_state_dict(model, opt, sd)
     return model, opt
 
 

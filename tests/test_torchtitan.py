@@ -233,6 +233,7 @@ def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None
             states={"train_state": train_state}, sd_adapter=None, base_folder=root)
     if load_step is not None:
         out["before_load"] = dmuon.get_model_state_dict(model)
+        out["refused"] = _refused_loads(rank, root, model, optimizers, lr_schedulers, train_state)
         assert checkpointer.load(step=load_step)
         out["loaded_step"] = train_state.step
     losses, norms = [], []
@@ -252,6 +253,34 @@ def train_job(rank: int, world: int, root: str, seed: int, load_step: int | None
     if load_step is None:
         del model, optimizers, lr_schedulers, checkpointer
         out["mixed"] = _mixed_precision_run(rank, world, root)
+    return out
+
+
+def _refused_loads(rank: int, root: str, model: Any, optimizers: Any, lr_schedulers: Any, train_state: Any) -> dict:
+    """Bad copies of the step-SAVE_AT checkpoint (see the test) into DMuonCheckpointManager.load: what each did."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+
+    from dmuon.integrations import torchtitan as dmuon_tt
+    from tests.test_checkpoint_refusal import _differences, bad_copies, outcome
+
+    fqn, ckpt = canonical_fqn(sorted(dmuon.get_dedicated_params(model))[0]), f"{root}/checkpoint/step-"
+    if rank == 0:
+        bad_copies(f"{ckpt}{SAVE_AT}", f"{ckpt}{STEPS}", lambda name: f"{root}/{name}/step-{SAVE_AT}",
+                   {"optim_byte": f"optimizer.state.{fqn}.momentum_buffer"})
+    dist.barrier()
+    muon = optimizers.muon
+    dmuon.get_optimizer_state_dict(model, muon, sharded=True)  # (the zero state a load target creates)
+    snapshot = lambda: (dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, muon),  # noqa: E731
+                        lr_schedulers.state_dict(), train_state.step)
+    before, out = snapshot(), {"flipped": fqn}
+    for name in ("optim_byte", "torn"):
+        checkpointer = dmuon_tt.DMuonCheckpointManager.Config(enable=True, folder=name, keep_latest_k=0).build(
+            dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+            states={"train_state": train_state}, sd_adapter=None, base_folder=root)
+        out[name] = outcome(lambda: checkpointer.load(step=SAVE_AT))
+        checkpointer.close()
+        parts = zip(("model", "optim", "lr_schedulers", "train_state"), before, snapshot())
+        out[f"{name} changed"] = [part for part, a, b in parts if _differences(a, b)]
     return out
 
 
@@ -507,6 +536,16 @@ def test_restore_from_torchtitan_checkpoint_is_bitwise(runs: dict[str, Any]) -> 
         assert [g["momentum"] for g in full["hyper"] if g["name"] == ATTENTION] == [EDITED_MOMENTUM]
         # the fresh run started elsewhere, so the load did the work
         assert any(not torch.equal(resumed["before_load"][k], v) for k, v in full["at_save"].items())
+
+
+def test_corrupt_checkpoint_is_refused_with_nothing_changed(runs: dict[str, Any]) -> None:
+    """Before the resumed run loads, copies of its checkpoint with one flipped byte in a Muon momentum, and torn,
+    are refused on every rank with the model, optimizer, LR schedulers and train state unchanged."""
+    for rank, r in enumerate(r["refused"] for r in runs["resumed"]):
+        assert f"{r['flipped']}.momentum_buffer" in r["optim_byte"], (rank, r["optim_byte"])
+        for name in ("optim_byte", "torn"):
+            assert "checksums do not match" in r[name] and "nothing was changed" in r[name], (rank, r[name])
+            assert not r[f"{name} changed"], f"rank {rank}: the refused {name} load changed {r[f'{name} changed']}"
 
 
 def test_checkpoint_holds_each_dedicated_tensor_once_from_its_owner(runs: dict[str, Any]) -> None:

@@ -116,11 +116,9 @@ def _run(layout: str, where: str | None = None) -> tuple[dict, dict | None]:
 
 def _load(model, opt, where: str, form: str) -> None:
     if form == "dcp":
-        target = {"model": dmuon.get_model_state_dict(model, sharded=True),
-                  "optim": dmuon.get_optimizer_state_dict(model, opt, sharded=True)}
+        target = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
         dcp.load(target, checkpoint_id=f"{where}.dcp")
-        dmuon.set_model_state_dict(model, target["model"])
-        dmuon.set_optimizer_state_dict(model, opt, target["optim"])
+        dmuon.set_state_dict(model, opt, target)
         return
     ckpt = {"model": {}, "optim": {}}
     if form == "full" or dist.get_rank() == 0:
@@ -177,7 +175,8 @@ def _torn_dcp_load(model, where: str, key: str) -> None:
 
 def _undedicated_tp_weights(tp_at: str, ckpt_dir: str) -> dict:
     """Only ``w1`` dedicated: ``w2`` stays a TP weight that FSDP2 shards over "dp" (a DTensor over both
-    dims). The TP full dict loads into it (checksums checked), and its DCP save loads into a dp-only model."""
+    dims). The TP full dict loads into it (checksums checked), and its DCP save loads back into it through a
+    staged target (the 2-D DTensor's copy checked and copied in) and into a dp-only model."""
     from torch.distributed.tensor import DTensor
 
     model, _, _ = _build("tp", seed=11, predicate=lambda n, p: n.endswith("w1.weight"))
@@ -189,10 +188,14 @@ def _undedicated_tp_weights(tp_at: str, ckpt_dir: str) -> dict:
     dcp.save({"model": dmuon.get_model_state_dict(model, sharded=True)},
              checkpoint_id=os.path.join(ckpt_dir, "undedicated.dcp"))
     plain, _, _ = _build("dp", seed=12)
-    target = {"model": dmuon.get_model_state_dict(plain, sharded=True)}
-    dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "undedicated.dcp"))
-    dmuon.set_model_state_dict(plain, target["model"])
-    out["dcp"] = dmuon.get_model_state_dict(plain)
+    for name, into in (("dcp_self", model), ("dcp", plain)):
+        target = {"model": dmuon.get_model_state_dict(into, sharded=True, staged=True)}
+        if into is model:  # make the load do the work: change the live weights first
+            with torch.no_grad():
+                model.layers[0].w2.weight.to_local().add_(1.0)
+        dcp.load(target, checkpoint_id=os.path.join(ckpt_dir, "undedicated.dcp"))
+        dmuon.set_model_state_dict(into, target["model"])
+        out[name] = dmuon.get_model_state_dict(into)
     return out
 
 
@@ -272,7 +275,7 @@ def test_tp_weights_left_to_fsdp2_round_trip(runs):
     for rank, res in enumerate(runs):
         got = res["undedicated"]
         assert got["w2_mesh_dims"] == 2, rank
-        for form in ("full", "dcp"):
+        for form in ("full", "dcp_self", "dcp"):
             assert sorted(got[form]) == sorted(want), (rank, form)
             for k, v in want.items():
                 assert torch.equal(got[form][k], v), (rank, form, k)

@@ -167,6 +167,64 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_local.untyped_storage().data_ptr() == b_local.untyped_storage().data_ptr()
 
 
+def aliases(value: Any, live: torch.Tensor | None) -> bool:
+    """Whether an incoming ``value`` is the live tensor ``live`` itself (shares its storage): a sharded dict
+    built without ``staged=True``, which ``dcp.load`` wrote into. Empty tensors never count."""
+    return (isinstance(value, torch.Tensor) and live is not None and value.numel() > 0
+            and same_storage(value, live))
+
+
+def any_rank(state: DMuonState, flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank of the job. Collective: one all-reduce of one element."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=state.ctx.device)
+    return bool(C.all_reduce_sum(state.ctx, value).item())
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Staged sharded dicts: see [Note: staged loads]                                                       #
+# --------------------------------------------------------------------------------------------------- #
+# [Note: staged loads]
+# ``dcp.load`` writes into the tensors of the dict it is given. A sharded dict of the live tensors (what a
+# save wants: DCP reads them, nothing is copied) would let it overwrite the model and the optimizer before
+# ``set_*_state_dict`` can compare the checksums, so a refused checkpoint would already have replaced the
+# job's state. ``staged=True`` gives copies instead: the same keys, shapes, dtypes and DTensor layouts,
+# values and checksums of the live state (so the dict is also a consistent snapshot, and a key that a
+# partial load skips keeps its current value). ``dcp.load`` fills the copies; the setters validate, agree
+# across ranks, verify the checksums and only then copy into the live tensors (the model) or build the new
+# state from them (the optimizer, which replaces its state tensors in any case). A refused checkpoint leaves
+# everything as it was.
+#
+# Where the copies live is the caller's choice, through the getters' ``cpu_offload`` (as with
+# ``torch.distributed.checkpoint.state_dict.StateDictOptions(cpu_offload=...)``): on the CPU by default,
+# which costs no device memory (one host copy of this rank's share of the state; the checksums still run on
+# the device, one tensor at a time), or beside the live tensors with ``cpu_offload=False``, which costs a
+# second device copy of this rank's share until the dict is dropped. Saves are unaffected: their dict is
+# still the live tensors (``staged=False``, the default), and ``dcp.save`` copies nothing more than before.
+#
+# Treating a checkpoint as one unit needs both halves checked before either is written:
+# :func:`dmuon.set_state_dict` (``combined.py``) checks the model and the optimizer dicts, then writes both;
+# ``set_model_state_dict`` followed by ``set_optimizer_state_dict`` would have written the model already
+# when the optimizer half is refused.
+def stage_copy(t: torch.Tensor, cpu: bool) -> torch.Tensor:
+    """A copy of the live tensor ``t`` for a staged sharded dict: a DTensor keeps its mesh, placements and
+    global shape with its local shard copied (as torch's own CPU offload of DTensors does); on the CPU
+    where ``cpu``, else beside ``t``. See [Note: staged loads]."""
+    t = t.detach()
+    return t.to("cpu", copy=True) if cpu else t.clone()
+
+
+def copy_into_dtensor(live: DTensor, value: DTensor) -> None:
+    """Copy an incoming DTensor (a staged copy, possibly on the CPU, or one from another layout) into the
+    live DTensor ``live``: shard to shard where the layouts agree (no collective), else re-laid-out first
+    (on ``live``'s device)."""
+    if value.placements != live.placements or value.device_mesh != live.device_mesh:
+        if value.to_local().device != live.to_local().device:
+            value = value.to(live.to_local().device)
+        value = value.redistribute(live.device_mesh, live.placements)
+    if not same_storage(value, live):  # (the live tensor itself: a dict built without staged=True)
+        live.to_local().copy_(value.to_local())
+
+
 # --------------------------------------------------------------------------------------------------- #
 # Tensor-parallel matrices: see [Note: tensor-parallel state dicts]                                    #
 # --------------------------------------------------------------------------------------------------- #

@@ -234,6 +234,8 @@ def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool, tp_rank
     if item.owner is not None:
         return checksum_part(v.detach().to(ctx.device)) if item.owner == ctx.rank else zero
     if isinstance(v, DTensor):
+        if v.to_local().device != ctx.device:  # a staged copy on the CPU: summed on the device, as the rest
+            v = v.to(ctx.device)
         return dtensor_part(v).to(ctx.device)
     if not isinstance(item.layout, DTensor) or tuple(item.layout.shape) != tuple(v.shape):
         return checksum_part(v.detach().to(ctx.device)) if ctx.rank == 0 else zero

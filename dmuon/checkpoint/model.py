@@ -17,14 +17,18 @@ from ..runtime.param import DedicatedParam, laid_out_like, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
+    aliases,
+    any_rank,
     bcast_from_owner,
     bcast_from_rank0,
+    copy_into_dtensor,
     detect_mode,
     listing,
     prepare,
     rank0_owns,
     same_storage,
     scatter_dtensor,
+    stage_copy,
     structure_fingerprint,
     tp_local,
     tp_rank,
@@ -76,14 +80,18 @@ def _model_entries(model: nn.Module, state: DMuonState) -> list[_Entry]:
 
 def get_model_state_dict(
     model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = False, sharded: bool = False,
-    checksums: bool = True,
+    checksums: bool = True, staged: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by FQN. Collective.
 
     Full (default): complete tensors on every rank (``rank0_only=True``: only rank 0 returns them, the
     others ``{}``), on CPU unless ``cpu_offload=False``; loadable into a plain single-process model.
     ``sharded=True``: for ``torch.distributed.checkpoint``; FSDP2 params as DTensors, each dedicated
-    tensor only on its owner, the live tensors themselves (so ``dcp.load`` fills the model in place).
+    tensor only on its owner, the live tensors themselves (what ``dcp.save`` reads; nothing is copied).
+    ``sharded=True, staged=True``: the target for ``dcp.load``: the same dict made of copies (on the CPU
+    unless ``cpu_offload=False``, then beside the live tensors), so that ``dcp.load`` changes nothing and
+    :func:`set_model_state_dict` writes the model only once the checkpoint passed its checks (see
+    [Note: staged loads]). Full dicts are copies anyway; ``staged`` changes nothing for them.
     Tensor parallelism: a TP matrix is whole in full dicts (its shards gathered over "tp"), and in
     sharded dicts the live DTensor over "tp" on each rank of the owner's dp slot; both load into any
     other dp x tp layout, dp-only included.
@@ -99,6 +107,10 @@ def get_model_state_dict(
         model_sd = dmuon.get_model_state_dict(model)
         if dist.get_rank() == 0:
             torch.save(model_sd, "model.pt")   # or safetensors.torch.save_file(model_sd, ...)
+
+        target = dmuon.get_model_state_dict(model, sharded=True, staged=True)
+        dcp.load({"model": target}, checkpoint_id="ckpt/")
+        dmuon.set_model_state_dict(model, target)   # refused (nothing changed) or loaded
     """
     state = prepare(model)
     # param_dtype masters whose compute copy was written directly follow it (as the next step would).
@@ -114,9 +126,12 @@ def get_model_state_dict(
             mine = e.dp is not None and e.dp.owner == ctx.rank
             if sharded:
                 if e.layout is not None and mine:  # (a master shard: as a DTensor too, for its offsets)
-                    out[e.key] = laid_out_like(local(e.tensor), e.layout)  # type: ignore[arg-type]
+                    live = laid_out_like(local(e.tensor), e.layout)  # type: ignore[arg-type]
                 elif e.kind is not _Kind.DEDICATED or mine:
-                    out[e.key] = e.tensor.detach()
+                    live = e.tensor.detach()
+                else:
+                    continue
+                out[e.key] = stage_copy(live, cpu_offload) if staged else live
                 continue
             if e.kind is _Kind.DEDICATED:
                 assert e.dp is not None
@@ -154,21 +169,27 @@ def _items(entries: list[_Entry]) -> list[Item]:
 
 
 def _verify_checksums(state: DMuonState, entries: list[_Entry], sd: Mapping[str, Any], mode: Mode,
-                      sharded: bool) -> None:
+                      sharded: bool, what: str) -> None:
     """Compare the incoming tensors with the checksums the dict carries (where it carries any); raise on
-    every rank together. Full dicts: before anything is written. Collective."""
+    every rank together, before anything is written. Collective (one more all-reduce to word the error)."""
     bad = mismatches(state.ctx, _items(entries), sd, stored(sd, sd.get(CHECKSUMS_KEY)), rank0_only=mode is Mode.RANK0,
                      tp_rank=tp_rank(state))
     if not bad:
         return
-    if sharded:
+    bad_list = listing("checksums do not match", bad)
+    if not sharded:
+        raise ValueError(f"dmuon.{what}: {bad_list}. The file is corrupted or mixed from different saves; nothing "
+                         "was changed.")
+    live = {e.key: e.tensor for e in entries}
+    if any_rank(state, any(aliases(v, live.get(k)) for k, v in sd.items())):
         raise ValueError(
-            "dmuon.set_model_state_dict: " + listing("checksums do not match", bad) + ". The checkpoint is corrupted "
-            "or torn (the data of one save under the metadata of another); dcp.load already wrote these values "
-            "into the model, so load another checkpoint before training on."
+            f"dmuon.{what}: {bad_list}. The checkpoint is corrupted or torn (the data of one save under the metadata "
+            "of another). dcp.load already wrote these values into the model, since its dict held the live tensors: "
+            "load another checkpoint before training on, and build the dict for dcp.load with staged=True so that "
+            "a refused checkpoint changes nothing."
         )
-    raise ValueError("dmuon.set_model_state_dict: " + listing("checksums do not match", bad)
-                     + ". The file is corrupted or mixed from different saves; nothing was changed.")
+    raise ValueError(f"dmuon.{what}: {bad_list}. The checkpoint is corrupted or torn (the data of one save under the "
+                     "metadata of another); nothing was changed.")
 
 
 def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) -> list[str]:
@@ -224,50 +245,76 @@ def _load_dedicated(state: DMuonState, e: _Entry, sd: Mapping[str, Any], mode: M
     dp.write_back()  # param_dtype: round the loaded master into the compute copy
 
 
+@dataclass(frozen=True)
+class ModelLoad:
+    """A model dict that passed every check of :func:`check_model_sd`: what :func:`apply_model_sd` writes."""
+
+    state: DMuonState
+    entries: list[_Entry]
+    sd: Mapping[str, Any]
+    mode: Mode
+
+
+def check_model_sd(model: nn.Module, state_dict: Mapping[str, Any], *, what: str = "set_model_state_dict",
+                   problems: tuple[str, ...] = ()) -> ModelLoad:
+    """Everything :func:`set_model_state_dict` checks before it writes: the dict against the model on each
+    rank, one gather in which every rank agrees on the mode and the verdict (raising together), then the
+    checksums. ``problems``: this rank's findings about the dict from the caller (a combined dict without
+    its ``"model"`` entry), reported in the same gather. Collective; changes nothing."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"dmuon.{what}: expected a mapping, got {type(state_dict).__name__}")
+    state = prepare(model)
+    entries = _model_entries(model, state)
+    has = len(state_dict) > 0 or bool(problems)
+    errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
+    sharded = any(isinstance(v, DTensor) for v in state_dict.values())
+    fp = "" if sharded else structure_fingerprint(dict(state_dict))
+    mode = detect_mode(state, what, has, errors, fp)
+    with torch.no_grad():
+        _verify_checksums(state, entries, state_dict, mode, sharded, what)
+    return ModelLoad(state, entries, state_dict, mode)
+
+
+def apply_model_sd(load: ModelLoad) -> None:
+    """Write a checked dict into the live tensors (each from its place in the dict: a staged copy, a full
+    tensor, rank 0's broadcast), then publish the owners' new values. Collective in rank-0 mode and HSDP."""
+    state, sd, mode = load.state, load.sd, load.mode
+    with torch.no_grad():
+        for e in load.entries:
+            if e.kind is _Kind.DEDICATED:
+                _load_dedicated(state, e, sd, mode)
+            elif e.kind is _Kind.DTENSOR:
+                v = sd.get(e.key)
+                if isinstance(v, DTensor):
+                    copy_into_dtensor(e.tensor, v)  # type: ignore[arg-type]
+                else:
+                    e.tensor.copy_(scatter_dtensor(e.tensor, v, mode, state, e.key))  # type: ignore[arg-type]
+            elif mode is Mode.ALL:
+                if not same_storage(sd[e.key], e.tensor):
+                    e.tensor.copy_(sd[e.key])
+            else:
+                e.tensor.copy_(bcast_from_rank0(state, sd.get(e.key), e.tensor.shape, e.tensor.dtype, e.key))
+    # HSDP: the other rows' holders take the owners' new values now; no stale copy survives anywhere
+    state.publish_updates()
+    state.wait_all_replicate_broadcasts()
+    state.reshard_all()
+
+
 def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a state dict from :func:`get_model_state_dict` (full or sharded) into the model. Collective.
 
     Full dicts: pass the same dict on every rank, or the dict on rank 0 and ``{}`` elsewhere; the dict
     may come from another world size (owners take their tensors, FSDP2 shards their slices); a
     tensor-parallel model takes one from any dp x tp layout (dp-only too), each rank of a matrix's owner
-    slot its shard. Keys, shapes and dtypes are checked for the whole dict first; on any mismatch every
-    rank raises a ``ValueError`` listing missing / unexpected / mis-shaped keys and nothing changes.
+    slot its shard. Keys, shapes, dtypes and checksums are checked for the whole dict first; on any
+    mismatch every rank raises a ``ValueError`` listing missing / unexpected / mis-shaped keys or the
+    tensors whose checksums differ, and nothing changes. Sharded dicts: load the ``staged=True`` dict that
+    ``dcp.load`` filled; with the live tensors as its target, ``dcp.load`` itself would have written them
+    before any check. To load a model and its optimizer as one unit, see :func:`dmuon.set_state_dict`.
 
     Example::
 
         sd = torch.load("model.pt") if dist.get_rank() == 0 else {}
         dmuon.set_model_state_dict(model, sd)
     """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"dmuon.set_model_state_dict: expected a mapping, got {type(state_dict).__name__}")
-    state = prepare(model)
-    ctx = state.ctx
-    entries = _model_entries(model, state)
-    has = len(state_dict) > 0
-    errors = _validate_model_sd(entries, state_dict, ctx.rank) if has else []
-    sharded = any(isinstance(v, DTensor) for v in state_dict.values())
-    fp = "" if sharded else structure_fingerprint(dict(state_dict))
-    mode = detect_mode(state, "set_model_state_dict", has, errors, fp)
-    with torch.no_grad():
-        _verify_checksums(state, entries, state_dict, mode, sharded)
-        for e in entries:
-            if e.kind is _Kind.DEDICATED:
-                _load_dedicated(state, e, state_dict, mode)
-            elif e.kind is _Kind.DTENSOR:
-                v = state_dict.get(e.key)
-                if isinstance(v, DTensor):
-                    if not same_storage(v, e.tensor):
-                        e.tensor.copy_(v.redistribute(e.tensor.device_mesh, e.tensor.placements))
-                else:
-                    e.tensor.copy_(scatter_dtensor(e.tensor, v, mode, state, e.key))  # type: ignore[arg-type]
-            else:
-                if mode is Mode.ALL:
-                    if not same_storage(state_dict[e.key], e.tensor):
-                        e.tensor.copy_(state_dict[e.key])
-                else:
-                    e.tensor.copy_(bcast_from_rank0(state, state_dict.get(e.key), e.tensor.shape,
-                                                     e.tensor.dtype, e.key))
-    # HSDP: the other rows' holders take the owners' new values now; no stale copy survives anywhere
-    state.publish_updates()
-    state.wait_all_replicate_broadcasts()
-    state.reshard_all()
+    apply_model_sd(check_model_sd(model, state_dict))

@@ -4,6 +4,7 @@ param group's hyperparameters. See ``dmuon/checkpoint/__init__.py``."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
 from ._common import (
     Mode,
+    aliases,
+    any_rank,
     bcast_from_owner,
     bcast_from_rank0,
     bcast_object_from_rank0,
@@ -28,6 +31,7 @@ from ._common import (
     rank0_owns,
     same_storage,
     scatter_dtensor,
+    stage_copy,
     structure_fingerprint,
     tp_local,
     tp_rank,
@@ -66,13 +70,16 @@ def _adamw_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
 
 def get_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, cpu_offload: bool = True, rank0_only: bool = False,
-    sharded: bool = False,
+    sharded: bool = False, staged: bool = False,
 ) -> dict[str, Any]:
     """``{"state": {fqn: {name: tensor}}, "param_groups": [...]}`` keyed by FQN. Collective.
 
     Full (default): Muon momenta and AdamW moments as complete tensors, AdamW ``step``, and each group's
     hyperparameters (so a scheduler's ``lr`` survives) with the global ``param_names``. ``sharded=True``:
     for DCP; live tensors, AdamW moments as DTensors, each Muon momentum only on its owner.
+    ``sharded=True, staged=True``: the target for ``dcp.load``, made of copies (on the CPU unless
+    ``cpu_offload=False``), so that the optimizer changes only once :func:`set_optimizer_state_dict` has
+    checked the checkpoint (see [Note: staged loads]).
     Tensor parallelism: a TP matrix's momentum is whole in full dicts (gathered over "tp", as a dp-only
     run saves it) and, in sharded dicts, a DTensor over "tp" aliasing each owner-slot rank's shard.
 
@@ -112,9 +119,8 @@ def get_optimizer_state_dict(
             mine = dp.owner == ctx.rank
             if sharded:
                 if mine:
-                    st = opt.state[dp.param]
-                    out_state[dp.fqn] = (dict(st) if dp.tp_dim is None else
-                                         {k: laid_out_like(v, dp.bound()) for k, v in st.items()})
+                    st = {k: laid_out_like(v, dp.bound()) for k, v in opt.state[dp.param].items()}
+                    out_state[dp.fqn] = {k: stage_copy(v, cpu_offload) for k, v in st.items()} if staged else st
                 continue
             out_state[dp.fqn] = {
                 k: finish(bcast_from_owner(state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape),
@@ -126,7 +132,8 @@ def get_optimizer_state_dict(
             if not st:
                 continue
             if sharded:
-                out_state[name] = dict(st)
+                out_state[name] = {k: stage_copy(v, cpu_offload) if staged and isinstance(v, torch.Tensor) else v
+                                   for k, v in st.items()}
                 continue
             entry = {}
             for k in sorted(st):
@@ -251,12 +258,49 @@ def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
     return out
 
 
+@dataclass(frozen=True)
+class OptimLoad:
+    """An optimizer dict that passed every check of :func:`check_optim_sd`: what :func:`apply_optim_sd`
+    builds the new state from."""
+
+    opt: Muon
+    state: DMuonState
+    mode: Mode
+    groups: list[dict]
+    structure: dict | None
+    local_state: Mapping[str, Any]
+
+
+def check_optim_sd(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Any, *,
+                   what: str = "set_optimizer_state_dict") -> OptimLoad:
+    """Everything :func:`set_optimizer_state_dict` checks before it changes the optimizer: the dict on each
+    rank, one gather in which every rank agrees (raising together), then the checksums. Collective; changes
+    nothing."""
+    state = _check_optimizer(model, optimizer)
+    prepare(model)
+    mode = _agree(optimizer, state, state_dict, what)
+    groups, structure, local_state = _sources(state, state_dict, mode)
+    _verify_checksums(optimizer, state, state_dict, mode, structure, local_state, what)
+    return OptimLoad(optimizer, state, mode, groups, structure, local_state)
+
+
+def apply_optim_sd(load: OptimLoad) -> None:
+    """Replace the optimizer's state and hyperparameters with a checked dict's (new tensors, placed for this
+    topology). Collective in rank-0 mode."""
+    with torch.no_grad():
+        new_state = _muon_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state)
+        new_state.update(_adamw_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state))
+    load.opt._replace_state(new_state, load.groups)
+
+
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a dict from :func:`get_optimizer_state_dict` (full or sharded, any world size). Collective.
 
     Replaces the optimizer's state and param-group hyperparameters. Same rules as
     :func:`set_model_state_dict`: same dict everywhere or rank 0 only; validated first (a dict from a
-    different model is named as such), then applied, or nothing changes.
+    different model is named as such), checksums compared, then applied, or nothing changes. Sharded
+    dicts: load the ``staged=True`` dict that ``dcp.load`` filled. To load a model and its optimizer as one
+    unit, see :func:`dmuon.set_state_dict`.
 
     Example::
 
@@ -264,21 +308,13 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
         dmuon.set_model_state_dict(model, ckpt["model"])
         dmuon.set_optimizer_state_dict(model, optimizer, ckpt["optim"])
     """
-    state = _check_optimizer(model, optimizer)
-    prepare(model)
-    mode = _agree(optimizer, state, state_dict)
-    groups, structure, local_state = _sources(state, state_dict, mode)
-    _verify_checksums(optimizer, state, state_dict, mode, structure, local_state)
-    with torch.no_grad():
-        new_state = _muon_state_to_load(optimizer, state, mode, structure, local_state)
-        new_state.update(_adamw_state_to_load(optimizer, state, mode, structure, local_state))
-    optimizer._replace_state(new_state, groups)
+    apply_optim_sd(check_optim_sd(model, optimizer, state_dict))
 
 
 def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode: Mode, structure: dict | None,
-                      local_state: Mapping[str, Any]) -> None:
+                      local_state: Mapping[str, Any], what: str) -> None:
     """Compare the incoming state tensors with the checksums the dict carries (where it carries any); raise
-    on every rank together, before the optimizer changes. Collective."""
+    on every rank together, before the optimizer changes. Collective (one more all-reduce to word the error)."""
     items = [_item(dp, f"{dp.fqn}.{k}") for dp in state.dedicated() for k in sorted(_muon_state_dtypes(opt, dp))]
     for name, p, _ in _adamw_params(opt):
         keys = (structure or {}).get(name, {}) if mode is Mode.RANK0 else local_state.get(name, {})
@@ -287,13 +323,33 @@ def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode:
     table = sd.get(CHECKSUMS_KEY) if isinstance(sd, Mapping) else None
     bad = mismatches(state.ctx, items, values, stored(values, table), rank0_only=mode is Mode.RANK0,
                      tp_rank=tp_rank(state))
-    if bad:
-        raise ValueError("dmuon.set_optimizer_state_dict: " + listing("checksums do not match", bad)
-                         + ". The checkpoint is corrupted or mixed from different saves; the optimizer was not "
-                         "changed (after dcp.load its live tensors already hold these values).")
+    if not bad:
+        return
+    bad_list = listing("checksums do not match", bad)
+    if any_rank(state, mode is Mode.ALL and _aliases_live_state(opt, state, local_state)):
+        raise ValueError(
+            f"dmuon.{what}: {bad_list}. The checkpoint is corrupted or mixed from different saves. dcp.load already "
+            "wrote these values into the optimizer's state, since its dict held the live tensors: load another "
+            "checkpoint before training on, and build the dict for dcp.load with staged=True so that a refused "
+            "checkpoint changes nothing."
+        )
+    raise ValueError(f"dmuon.{what}: {bad_list}. The checkpoint is corrupted or mixed from different saves; nothing "
+                     "was changed.")
 
 
-def _agree(opt: Muon, state: DMuonState, state_dict: Any) -> Mode:
+def _aliases_live_state(opt: Muon, state: DMuonState, local_state: Mapping[str, Any]) -> bool:
+    """Whether some incoming tensor is the optimizer's own live state tensor (a sharded dict built without
+    ``staged=True``)."""
+    params = {dp.fqn: dp.param for dp in state.dedicated() if dp.is_owner}
+    params.update({name: p for name, p, _ in _adamw_params(opt)})
+    for name, entry in local_state.items():
+        live = opt.state.get(params[name], {}) if name in params else {}
+        if isinstance(entry, Mapping) and any(aliases(v, live.get(k)) for k, v in entry.items()):
+            return True
+    return False
+
+
+def _agree(opt: Muon, state: DMuonState, state_dict: Any, what: str) -> Mode:
     """Validate locally, then agree with every rank on the mode (or raise together)."""
     has = isinstance(state_dict, Mapping) and len(state_dict) > 0
     errors = _validate_optim_sd(opt, state, state_dict) if has else []
@@ -304,7 +360,7 @@ def _agree(opt: Muon, state: DMuonState, state_dict: Any) -> Mode:
     fp = "" if (is_sharded or not has or errors) else structure_fingerprint(
         {k: v for k, v in state_dict["state"].items() if k not in dedicated}
     )
-    return detect_mode(state, "set_optimizer_state_dict", has, errors, fp)
+    return detect_mode(state, what, has, errors, fp)
 
 
 def _sources(state: DMuonState, state_dict: Any, mode: Mode) -> tuple[list[dict], dict | None, Mapping[str, Any]]:
@@ -328,7 +384,7 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
     group_of = {id(p): g for g in opt.param_groups if g["kind"] == "adamw_owned" for p in g["params"]}
 
     def place(p: nn.Parameter, k: str, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return v.detach().to(_state_device(p, group_of.get(id(p), {}), k), dtype).clone()
+        return v.detach().to(_state_device(p, group_of.get(id(p), {}), k), dtype, copy=True)
 
     for dp in state.dedicated():
         p = dp.bound()
@@ -381,15 +437,25 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
             elif k == "step":
                 if mode is Mode.RANK0:
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.step")  # type: ignore[index]
-                st[k] = v.detach().to(_state_device(p, g, k)).clone()
+                st[k] = v.detach().to(_state_device(p, g, k), copy=True)
             elif isinstance(p, DTensor):
                 if isinstance(v, DTensor):
-                    st[k] = v if v.placements == p.placements else v.redistribute(p.device_mesh, p.placements)
+                    st[k] = _adopt_dtensor(v, p)
                 else:
                     st[k] = scatter_dtensor(p, v, mode, state, f"{name}.{k}")
             else:
                 if mode is Mode.RANK0:
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.{k}")  # type: ignore[index]
-                st[k] = v.detach().to(p.device).clone()
+                st[k] = v.detach().to(p.device, copy=True)
         new_state[p] = st
     return new_state
+
+
+def _adopt_dtensor(v: DTensor, p: DTensor) -> DTensor:
+    """An incoming AdamW moment as ``p``'s state: the DTensor itself where it is laid out like ``p`` and on
+    its device (the live tensor of a sharded dict, or a staged copy on the device), else moved to ``p``'s
+    device (a staged copy on the CPU) and re-laid-out."""
+    device = p.to_local().device
+    if v.to_local().device != device:
+        v = v.to(device)
+    return v if v.placements == p.placements else v.redistribute(p.device_mesh, p.placements)

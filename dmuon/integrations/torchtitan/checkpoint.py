@@ -3,12 +3,16 @@ dicts, and :class:`DMuonCheckpointManager`, torchtitan's ``CheckpointManager`` t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer import CheckpointManager, ModelWrapper
-from torchtitan.components.checkpointer.base import MODEL
+from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
 import dmuon
@@ -17,12 +21,46 @@ from ...checkpoint.checksum import CHECKSUMS_KEY
 from ...runtime.guard import internal
 from ...runtime.hooks import STATE_ATTR
 from ._fused_qkv import _fused_qkv_modules, _merge_fused_qkv, _split_fused_qkv
+from .optimizer import DMuonOptimizersContainer
 from .parallelize import _adopt
-
 
 
 def _has_dmuon(model: nn.Module) -> bool:
     return getattr(model, STATE_ATTR, None) is not None
+
+
+@contextmanager
+def _staged(*parts: Any) -> Iterator[None]:
+    """While a checkpoint loads: the state dicts of dmuon's model wrapper and optimizer container are staged
+    copies, the targets ``dcp.load`` fills ([Note: staged loads])."""
+    ours = [p for p in parts if isinstance(p, (DMuonModelWrapper, DMuonOptimizersContainer))]
+    for p in ours:
+        p._staged = True
+    try:
+        yield
+    finally:
+        for p in ours:
+            p._staged = False
+
+
+class _Deferred(Stateful):
+    """A ``Stateful`` entry of a load (LR schedulers, dataloader, train state, the optimizer container) that
+    ``dcp.load`` fills without applying: the loaded dict is kept, and handed over by :meth:`apply` only once
+    dmuon has accepted the model and optimizer, so a refused checkpoint changes none of them either."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict
+
+    def apply(self) -> None:
+        if self.loaded is not None:
+            self.obj.load_state_dict(self.loaded)
 
 
 class DMuonModelWrapper(ModelWrapper):
@@ -35,13 +73,15 @@ class DMuonModelWrapper(ModelWrapper):
         for m in [model] if isinstance(model, nn.Module) else model:
             if _has_dmuon(m):
                 _adopt(m)
+        #: set by DMuonCheckpointManager while it loads: state_dict() gives staged copies ([Note: staged loads])
+        self._staged = False
         super().__init__(model)
 
-    def _get_state_dict(self) -> dict[str, Any]:
+    def _get_state_dict(self, staged: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for model in self.model:
             if _has_dmuon(model):
-                sd = dmuon.get_model_state_dict(model, sharded=True)
+                sd = dmuon.get_model_state_dict(model, sharded=True, staged=staged)
                 _split_fused_qkv(model, sd)
                 out.update(sd)
             else:
@@ -50,20 +90,36 @@ class DMuonModelWrapper(ModelWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         # Recomputed on every call: the split QKV tensors are copies and must reflect the current weights.
+        if self._staged:  # a load's target: copies, not the model's state (the cache stays as it is)
+            return self._get_state_dict(staged=True)
         self.cached_state_dict = self._get_state_dict()
         return self.cached_state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_with(state_dict)
+
+    def _load_with(self, state_dict: dict[str, Any], optimizers: DMuonOptimizersContainer | None = None,
+                   optim_sd: dict[str, Any] | None = None) -> bool:
+        """The model parts' entries of a loaded checkpoint dict into the models; with ``optimizers`` and its
+        loaded flat dict, the model it was built for and the optimizer as one unit (``dmuon.set_state_dict``:
+        both halves checked before either is written). Whether the optimizer was loaded. Collective."""
+        paired = False
         for model in self.model:
             if _has_dmuon(model):
                 live = dmuon.get_model_state_dict(model, sharded=True, checksums=False)
                 # the checkpoint dict also carries optimizer / scheduler / dataloader entries
                 ours = {k: state_dict[k] for k in self._keys_of(model, live) if k in state_dict}
                 _merge_fused_qkv(model, ours, like=live)
-                dmuon.set_model_state_dict(model, ours)
+                if optimizers is not None and optim_sd is not None and optimizers.model is model:
+                    dmuon.set_state_dict(model, optimizers.muon,
+                                         {"model": ours, "optim": optimizers.nested_state_dict(optim_sd)})
+                    paired = True
+                else:
+                    dmuon.set_model_state_dict(model, ours)
             else:
                 model.load_state_dict(state_dict, strict=False)
         self.cached_state_dict = self._get_state_dict()
+        return paired
 
     @staticmethod
     def _keys_of(model: nn.Module, live: dict[str, Any]) -> list[str]:
@@ -86,9 +142,14 @@ class DMuonCheckpointManager(CheckpointManager):
     A crash mid-save keeps the previous checkpoint without a rename of ours: every save is its own
     ``step-N`` folder, DCP writes ``.metadata`` last (a temporary name, then a rename), and torchtitan
     loads only folders that have one. A save into a folder that already holds a checkpoint can leave
-    old metadata over new data; the model's checksums (``_dmuon_checksums``, [Note: checkpoint
-    checksums]) make ``set_model_state_dict`` refuse that mix. The flat optimizer layout of
-    :class:`DMuonOptimizersContainer` carries no checksums.
+    old metadata over new data; the checksums of the model and of the optimizer container
+    (``_dmuon_checksums``, [Note: checkpoint checksums]) make the load refuse that mix, or a changed byte.
+
+    A refused checkpoint changes nothing: ``dcp.load`` fills staged copies ([Note: staged loads]), the
+    model and the optimizer are checked together and written only once both pass
+    (``dmuon.set_state_dict``), and the other ``Stateful`` entries (LR schedulers, dataloader, train state)
+    are handed their loaded state only after that. On a refusal ``load`` raises the ``ValueError`` on every
+    rank.
 
     Example::
 
@@ -133,3 +194,26 @@ class DMuonCheckpointManager(CheckpointManager):
             )
         if self.enable:
             self.states[MODEL] = DMuonModelWrapper(model_parts)
+
+    def _load(self, step: int = -1) -> bool:
+        with _staged(self.states.get(MODEL), self.states.get(OPTIMIZER)):
+            return super()._load(step)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """torchtitan's ``dcp_load`` (DCP format; HF loads are refused by the config), with nothing applied
+        before dmuon accepted the checkpoint: ``Stateful`` entries are filled by ``dcp.load`` but loaded
+        into their objects afterwards (:class:`_Deferred`), the model and the optimizer container as one
+        unit. Collective."""
+        wrapper = self.states.get(MODEL)
+        if from_hf or not isinstance(wrapper, DMuonModelWrapper):
+            super().dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+            return
+        deferred = {k: _Deferred(v) for k, v in state_dict.items() if isinstance(v, Stateful)}
+        target = {**state_dict, **deferred}
+        dcp.load(target, checkpoint_id=checkpoint_id)
+        optim = deferred.pop(OPTIMIZER, None)
+        container = optim.obj if optim is not None and isinstance(optim.obj, DMuonOptimizersContainer) else None
+        if not wrapper._load_with(target, container, optim.loaded if optim is not None else None) and optim:
+            optim.apply()
+        for entry in deferred.values():
+            entry.apply()

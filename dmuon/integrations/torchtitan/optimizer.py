@@ -33,6 +33,7 @@ from torchtitan.distributed import utils as tt_dist_utils
 
 import dmuon
 
+from ...checkpoint.checksum import CHECKSUMS_KEY
 from ...runtime.hooks import STATE_ATTR
 from ...runtime.param import is_dedicated
 from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
@@ -265,6 +266,8 @@ class DMuonOptimizersContainer(OptimizersContainer):
         self.model_parts = list(model_parts)
         self.model = model
         self.optimizers = [muon]
+        #: set by DMuonCheckpointManager while it loads: state_dict() gives staged copies ([Note: staged loads])
+        self._staged = False
         self._grad_scale_hooks = _register_grad_scale(model, muon)
         _adopt(model)
         _install_clip_patch()
@@ -278,9 +281,12 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """torchtitan's flat layout from dmuon's sharded dict. Collective.
 
         ``state.{fqn}.{name}``: live tensors (AdamW moments as DTensors, each Muon momentum on its owner
-        only); ``param_groups.{fqn}.{key}``: every group's hyperparameters, for every param FQN.
+        only); ``param_groups.{fqn}.{key}``: every group's hyperparameters, for every param FQN;
+        ``_dmuon_checksums.{fqn}.{name}``: every state tensor's checksum ([Note: checkpoint checksums]), on
+        every rank, so a corrupted or torn optimizer checkpoint is refused like a model one. While
+        :class:`DMuonCheckpointManager` loads, the tensors are staged copies instead ([Note: staged loads]).
         """
-        nested = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True)
+        nested = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True, staged=self._staged)
         flat: dict[str, Any] = {}
         for fqn, entry in nested["state"].items():
             for name, value in entry.items():
@@ -290,14 +296,23 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 for key, value in group.items():
                     if key != "param_names":
                         flat[f"param_groups.{canonical_fqn(fqn)}.{key}"] = value
+        for key, value in nested[CHECKSUMS_KEY].items():
+            fqn, name = key.rsplit(".", 1)  # (a state entry's name has no dot)
+            flat[f"{CHECKSUMS_KEY}.{canonical_fqn(fqn)}.{name}"] = value
         return flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a flat dict from :meth:`state_dict` (after ``dcp.load``) through dmuon. Collective.
 
         Keys this optimizer does not hold (other components of torchtitan's checkpoint) are ignored;
-        ``dmuon.set_optimizer_state_dict`` validates the rest.
+        ``dmuon.set_optimizer_state_dict`` validates the rest and compares the checksums before anything
+        changes. (:class:`DMuonCheckpointManager` loads the model and this optimizer together instead.)
         """
+        dmuon.set_optimizer_state_dict(self.model, self.muon, self.nested_state_dict(state_dict))
+
+    def nested_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """dmuon's sharded dict (``dmuon.set_optimizer_state_dict``'s input) from a flat one of
+        :meth:`state_dict`'s layout; an entry it lacks keeps the live value. Collective."""
         template = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True)
         state = {
             fqn: {name: state_dict.get(f"state.{canonical_fqn(fqn)}.{name}", value) for name, value in entry.items()}
@@ -312,4 +327,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 loaded.update({k: state_dict[prefix + k] for k in group
                                if k != "param_names" and prefix + k in state_dict})
             groups.append(loaded)
-        dmuon.set_optimizer_state_dict(self.model, self.muon, {"state": state, "param_groups": groups})
+        sums = {}
+        for key in template[CHECKSUMS_KEY]:
+            fqn, name = key.rsplit(".", 1)
+            flat_key = f"{CHECKSUMS_KEY}.{canonical_fqn(fqn)}.{name}"
+            if flat_key in state_dict:
+                sums[key] = state_dict[flat_key]
+        return {"state": state, "param_groups": groups, CHECKSUMS_KEY: sums}
