@@ -95,7 +95,7 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
     layouts = optimizer._layouts(state)
     out = []
     for group in optimizer.param_groups:
-        if group["kind"] not in ("muon", "muon_sharded"):
+        if group["kind"] != "muon":
             continue
         counts: dict[tuple, int] = {}
         device = torch.device("cpu")

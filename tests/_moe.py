@@ -4,13 +4,15 @@ expert slice and row block) and the dmuon run compared with it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
@@ -55,10 +57,13 @@ def _slices(name: str, p: torch.Tensor, cfg: TinyMoEConfig) -> list[tuple]:
 
 @rank_threads()
 def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams = MUON_HP,
-                     adamw: AdamWHParams = ADAMW_HP, accum: int = 1) -> dict:
+                     adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *, clip: float | None = None,
+                     expert_lr: float | None = None) -> dict:
     """One process: ``torch.optim.Muon`` on one 2-D parameter per matrix (per expert, per row block; its
     gradient copied in, its result copied back), ``torch.optim.AdamW`` on the rest. ``accum``: the global
-    batch as that many accumulated parts (the oracle's own rounding floor)."""
+    batch as that many accumulated parts (the oracle's own rounding floor, and the recipe's accumulation).
+    ``clip``: ``torch.nn.utils.clip_grad_norm_`` over every param first; ``expert_lr``: the experts' own
+    param group."""
     torch.manual_seed(0)
     dev = device()
     model = build_moe(cfg).to(dev)
@@ -70,7 +75,10 @@ def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams =
             continue
         for idx in _slices(name, p, cfg):
             shadows.append((p, idx, nn.Parameter(p.detach()[idx].clone())))
-    opt_m = torch.optim.Muon([s for _, _, s in shadows], lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
+    experts = [s for p, _, s in shadows if p.ndim == 3]
+    dense = [s for p, _, s in shadows if p.ndim != 3]
+    groups = [{"params": dense}, {"params": experts, **({"lr": expert_lr} if expert_lr is not None else {})}]
+    opt_m = torch.optim.Muon(groups, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
                              nesterov=hp.nesterov, ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps,
                              eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value)
     opt_a = torch.optim.AdamW(rest, **adamw.group_entries())
@@ -84,6 +92,8 @@ def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams =
             part = model(part_tok.to(dev), part_tgt.to(dev)).loss / accum
             part.backward()
             loss += part.detach()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for p, idx, s in shadows:
             s.grad = p.grad[idx].clone()
         opt_m.step()
@@ -101,7 +111,8 @@ class MoERun:
     cfg: TinyMoEConfig = MOE_CFG
     reshard_after_forward: bool = True
     #: the experts' route: ``None`` (the default: on the engine's shards when each rank gets an expert),
-    #: ``"muon"`` (one owner each), ``"muon_sharded"``
+    #: ``"muon"`` (one owner each), ``"muon_sharded"``, ``"mixed"`` (layer 0's on owners, the rest sharded;
+    #: expert-parallel ones stay sharded)
     expert_route: str | None = None
     #: the experts on FSDP2 + AdamW instead (a wrong implementation, for the tests that must fail)
     experts_on_adamw: bool = False
@@ -109,6 +120,15 @@ class MoERun:
     ignore_blocks: bool = False
     #: expert parallelism over this many ranks (``apply_expert_parallel``), FSDP2 over the rest for the experts
     ep: int = 1
+    #: micro-batches per step (all but the last under ``dmuon.no_sync``), ``dmuon.clip_grad_norm_`` before the
+    #: step, and the experts' own param group with this lr
+    accum: int = 1
+    clip: float | None = None
+    expert_lr: float | None = None
+    #: mixed precision: ``"fp32_params"`` (an fp32 model computing in bf16: FSDP2's ``param_dtype`` and
+    #: ``dedicate_params(param_dtype=...)``), ``"bf16_model"`` (a bf16 model, float32 masters through
+    #: ``master_dtype``); both reduce gradients in float32
+    mixed: str | None = None
     hp: MuonHParams = MUON_HP
 
 
@@ -122,18 +142,28 @@ def dedicate_moe(model: TinyMoE, mesh, run: MoERun, ep_mesh=None) -> None:
     if run.experts_on_adamw:
         def predicate(n, p):  # noqa: E306 - the wrong variant: only the 2-D matrices
             return expert_predicate(n, p) and p.ndim == 2
-    route = None if run.expert_route is None else (lambda n, p: run.expert_route if p.ndim == 3 else None)
+    def route(n, p):  # "mixed": layer 0's experts on one owner each, the others on the engine's shards
+        if p.ndim != 3 or run.expert_route is None:
+            return None
+        if run.expert_route == "mixed":
+            return "muon" if n.startswith("layers.0.") and not isinstance(p, DTensor) else "muon_sharded"
+        return run.expert_route
+
     blocks = None if run.ignore_blocks else _blocks_fn(run.cfg)
-    dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route,
-                          reshard_after_forward=run.reshard_after_forward, verbose=False)
+    dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route, verbose=False,
+                          reshard_after_forward=run.reshard_after_forward,
+                          param_dtype=torch.bfloat16 if run.mixed == "fp32_params" else None,
+                          reduce_dtype=torch.float32 if run.mixed else None)
+    mp = {} if run.mixed is None else {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if run.mixed == "fp32_params" else None, reduce_dtype=torch.float32)}
     for layer in model.layers:
         if ep_mesh is not None:
-            experts = fully_shard(layer.moe.experts, mesh=ep_mesh["dp"])
+            experts = fully_shard(layer.moe.experts, mesh=ep_mesh["dp"], **mp)
             experts.set_gradient_divide_factor(float(dist.get_world_size()))
             if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM, which a divide factor asks for
                 experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
 
 
 def train_moe(rank: int, world: int, run: MoERun) -> dict:
@@ -142,23 +172,35 @@ def train_moe(rank: int, world: int, run: MoERun) -> dict:
     mesh = init_device_mesh(DEVICE_TYPE, (world,))
     ep_mesh = None if run.ep == 1 else init_device_mesh(DEVICE_TYPE, (world // run.ep, run.ep),
                                                         mesh_dim_names=("dp", "ep"))
-    model = build_moe(run.cfg).to(device())
+    model = build_moe(run.cfg).to(device(), torch.bfloat16 if run.mixed == "bf16_model" else torch.float32)
     initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.ndim == 3}
     dedicate_moe(model, mesh, run, ep_mesh)
-    opt = dmuon.Muon(model, **muon_kwargs(run.hp))
+    groups = None if run.expert_lr is None else [
+        {"params": [n for n, p in model.named_parameters() if p.ndim == 3], "lr": run.expert_lr}]
+    opt = dmuon.Muon(model, **muon_kwargs(run.hp), param_groups=groups,
+                     master_dtype=torch.float32 if run.mixed == "bf16_model" else None)
     per, dev = GLOBAL_BATCH // world, device()
     losses = []
     for tok, tgt in batches(run.steps):
         opt.zero_grad()
-        loss = model(tok[rank * per:(rank + 1) * per].to(dev), tgt[rank * per:(rank + 1) * per].to(dev)).loss
-        loss.backward()
+        tok, tgt = tok[rank * per:(rank + 1) * per].to(dev), tgt[rank * per:(rank + 1) * per].to(dev)
+        loss = torch.zeros((), device=dev)
+        for i, (t, y) in enumerate(zip(tok.chunk(run.accum), tgt.chunk(run.accum))):
+            with dmuon.no_sync(model) if i < run.accum - 1 else nullcontext():
+                part = model(t, y).loss / run.accum
+                part.backward()
+            loss += part.detach().float()
+        if run.clip is not None:
+            dmuon.clip_grad_norm_(model, run.clip)
         opt.step()
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
-    from torch.distributed.tensor import DTensor
-
-    return {"losses": losses, "weights": full_weights(model), "owned": sorted(dmuon.get_owned_params(model)),
+    # full_weights reads the params; under param_dtype a dedicated one is the bf16 compute copy of its fp32 value
+    weights = full_weights(model) if run.mixed is None else dmuon.get_model_state_dict(model)
+    return {"losses": losses, "weights": weights, "owned": sorted(dmuon.get_owned_params(model)),
             "initial": initial, "ns_calls": [tuple(g["shape"]) for g in dmuon.diagnostics.ns_backends(opt)],
+            "expert_state": {k: {n: str(t.dtype) for n, t in v.items()}
+                             for k, v in dmuon.get_optimizer_state_dict(model, opt)["state"].items() if "experts" in k},
             "expert_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()
                               if p.ndim == 3 and isinstance(p, DTensor)}}

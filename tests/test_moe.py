@@ -35,7 +35,15 @@ RUNS = {
     "ep_z3": MoERun(steps=STEPS, ep=2),
     "ep_z2": MoERun(steps=STEPS, ep=2, reshard_after_forward=False),
     "ep_fused_dead": MoERun(steps=STEPS, cfg=FUSED, ep=2),
+    # the recipe's other habits on experts: accumulation under no_sync, clipping, the experts' own param group
+    "extras_sharded": MoERun(steps=STEPS, accum=2, clip=0.5, expert_lr=0.02),
+    "extras_owner": MoERun(steps=STEPS, accum=2, clip=0.5, expert_lr=0.02, expert_route="muon"),
 }
+#: mixed precision: an fp32 model computing in bf16 (the engine's-shards route must do exactly what the owner
+#: route does), and a bf16 model with float32 masters
+MIXED = {"mp_owner": MoERun(steps=STEPS, mixed="fp32_params", expert_route="muon"),
+         "mp_sharded": MoERun(steps=STEPS, mixed="fp32_params", expert_route="muon_sharded"),
+         "bf16_sharded": MoERun(steps=STEPS, mixed="bf16_model", expert_route="muon_sharded")}
 WRONG = ("flattened", "flattened_owner", "experts_on_adamw", "fused_as_one")
 
 
@@ -54,6 +62,7 @@ def moe_job(rank: int, world: int) -> dict:
     out = {name: train_moe(rank, world, run) for name, run in RUNS.items()}
     if world != 2:
         return out
+    out.update({name: train_moe(rank, world, run) for name, run in MIXED.items()})
     out["experts_on_adamw"] = train_moe(rank, world, MoERun(steps=STEPS, experts_on_adamw=True))
     out["fused_as_one"] = train_moe(rank, world, MoERun(steps=STEPS, cfg=replace(FUSED, layout="fused"),
                                                         ignore_blocks=True))
@@ -69,7 +78,8 @@ def moe_job(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def oracles() -> dict:
-    return {"separate": train_moe_oracle(STEPS), "fused": train_moe_oracle(STEPS, FUSED)}
+    return {"separate": train_moe_oracle(STEPS), "fused": train_moe_oracle(STEPS, FUSED),
+            "extras": train_moe_oracle(STEPS, accum=2, clip=0.5, expert_lr=0.02)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -78,7 +88,7 @@ def runs(request) -> tuple[int, list[dict]]:
 
 
 def _oracle_of(name: str, oracles: dict) -> dict:
-    return oracles["fused" if "fused" in name else "separate"]
+    return oracles["fused" if "fused" in name else "extras" if "extras" in name else "separate"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -144,6 +154,23 @@ def test_dead_expert_decays_like_torch_with_a_zero_gradient(runs, oracles):
             assert torch.equal(got, want[key][FUSED.dead_expert]), (world, name, key)
             init = results[0][name]["initial"][key][FUSED.dead_expert]
             assert torch.allclose(got, init * decay**STEPS, rtol=1e-6, atol=0), (world, name, key)
+
+
+def test_mixed_precision_on_the_engines_shards(runs):
+    """An fp32 model computing in bf16 with float32 reduces: the experts' update on FSDP2's shards is bit for bit
+    the owners' (whose mixed precision tests/test_mixed_precision.py checks against a hand-written loop). A bf16
+    model with ``master_dtype=float32``: the experts keep float32 masters and momenta in the optimizer state,
+    and train. (FSDP2 keeps a bf16 param's reduced gradient in bf16, so that run is not the owners' bit for bit:
+    an owner keeps the float32 average.)"""
+    world, results = runs
+    if world != 2:
+        pytest.skip("the mixed-precision runs are at 2 ranks")
+    for rank, res in enumerate(results):
+        assert_bitwise(res["mp_sharded"], res["mp_owner"], f"rank {rank} fp32 params, bf16 compute")
+        r = res["bf16_sharded"]
+        assert r["expert_state"]["layers.0.moe.experts.w1"] == {"master": "torch.float32",
+                                                                 "momentum_buffer": "torch.float32"}, r["expert_state"]
+        assert sum(r["losses"][-3:]) / 3 < r["losses"][0], r["losses"]
 
 
 def test_wrong_implementations_miss_the_oracle(runs, oracles):

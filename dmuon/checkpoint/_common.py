@@ -148,17 +148,19 @@ def bcast_object_from_rank0(state: DMuonState, obj: object) -> object:
 
 
 def scatter_dtensor(like: DTensor, full: torch.Tensor | None, mode: Mode, state: DMuonState,
-                     label: str) -> DTensor:
-    """A DTensor laid out like ``like`` from a full tensor held by every rank (ALL) or by rank 0 only."""
+                     label: str, dtype: torch.dtype | None = None) -> DTensor:
+    """A DTensor laid out like ``like`` (in ``dtype``, default ``like``'s) from a full tensor held by every rank
+    (ALL) or by rank 0 only."""
     mesh = like.device_mesh
+    dtype = like.dtype if dtype is None else dtype
     if mode is Mode.RANK0 and (state.tp_mesh is not None or int(mesh.mesh.flatten()[0]) != 0):
         # distribute_tensor reads mesh coordinate 0; if that is not global rank 0, ship the data first
         # (under TP on every rank: the rows whose mesh starts at rank 0 take part in the broadcast too)
-        full = bcast_from_rank0(state, full, like.shape, like.dtype, label)
+        full = bcast_from_rank0(state, full, like.shape, dtype, label)
     elif full is None:
-        full = torch.empty(like.shape, dtype=like.dtype)
+        full = torch.empty(like.shape, dtype=dtype)
     device = like.to_local().device
-    return distribute_tensor(full.detach().to(device, like.dtype), mesh, like.placements)
+    return distribute_tensor(full.detach().to(device, dtype), mesh, like.placements)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

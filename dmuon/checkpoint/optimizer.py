@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
+from ..optim.sharded import master_dtype_of
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam, laid_out_like
 from ..runtime.route import Route
@@ -59,13 +60,25 @@ def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
 _OWNER_KINDS = ("muon", "adamw_owned")
 
 
-def _adamw_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
-    """The AdamW params every rank steps (FSDP2 shards and plain params), with their groups."""
+def _every_rank_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
+    """The params every rank keeps state for, with their groups: AdamW's (FSDP2 shards and plain params) and the
+    Muon params on the engine's shards (``Route.MUON_SHARDED``), whose state is laid out like the param."""
+    sharded = set(optimizer._layouts(optimizer._dmuon_state))
     return [
         (name, p, g)
-        for g in optimizer.param_groups if g["kind"] not in _OWNER_KINDS
+        for g in optimizer.param_groups
         for p, name in zip(g["params"], g["param_names"])
+        if g["kind"] not in _OWNER_KINDS or (g["kind"] == "muon" and name in sharded)
     ]
+
+
+def _state_dtypes(opt: Any, name: str, p: torch.Tensor) -> dict[str, torch.dtype] | None:
+    """The state keys and dtypes of an every-rank param that Muon updates on the engine's shards (momentum, and a
+    ``master_dtype`` master); ``None`` for AdamW's (its moments take the param's dtype)."""
+    if name not in opt._layouts(opt._dmuon_state):
+        return None
+    master = master_dtype_of(p, opt.master_dtype)
+    return {"momentum_buffer": master or p.dtype, **({"master": master} if master is not None else {})}
 
 
 def get_optimizer_state_dict(
@@ -100,7 +113,7 @@ def get_optimizer_state_dict(
         for dp in state.dedicated()
         if dp.owner == ctx.rank and opt.state.get(dp.param)
     }
-    adamw_present = [name for name, p, _ in _adamw_params(opt) if opt.state.get(p)]
+    adamw_present = [name for name, p, _ in _every_rank_params(opt) if opt.state.get(p)]
     views = gather_views(state, (owned_meta, adamw_present))  # TP: every row, so all raise together
     if any(present != views[0][1] for _, present in views):
         raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
@@ -127,7 +140,7 @@ def get_optimizer_state_dict(
                                            dtype, f"{dp.fqn}.{k}"))
                 for k, shape, dtype in muon_meta[dp.fqn]
             }
-        for name, p, _ in _adamw_params(opt):
+        for name, p, _ in _every_rank_params(opt):
             st = opt.state.get(p)
             if not st:
                 continue
@@ -173,7 +186,7 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], ad
             if dp.owner == ctx.rank:
                 live[f"{dp.fqn}.{k}"] = opt.state[dp.param][k]
     present = set(adamw_present)
-    for name, p, _ in _adamw_params(opt):
+    for name, p, _ in _every_rank_params(opt):
         if name in present:
             for k, v in sorted(opt.state[p].items()):
                 if isinstance(v, torch.Tensor):
@@ -210,8 +223,9 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
     if errors:
         return ["; ".join(errors)]
     full_shape = {dp.fqn: tuple(dp.full_shape or dp.shape) for dp in state.dedicated()}  # TP: the matrix's
-    full_shape.update({name: tuple(p.shape) for name, p, _ in _adamw_params(opt)})
-    dtype_of = {name: p.dtype for name, p, _ in _adamw_params(opt)}
+    full_shape.update({name: tuple(p.shape) for name, p, _ in _every_rank_params(opt)})
+    dtype_of = {name: p.dtype for name, p, _ in _every_rank_params(opt)}
+    every_rank_muon = {name: _state_dtypes(opt, name, p) for name, p, _ in _every_rank_params(opt)}
     muon_dps = {dp.fqn: dp for dp in state.dedicated()}
     bad = []
     if not isinstance(st, Mapping):
@@ -226,7 +240,7 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
             bad.append(f"state of {name} is a {type(entry).__name__}, not a dict")
             continue
         dp = muon_dps.get(name)
-        allowed = None if dp is None else _muon_state_dtypes(opt, dp)
+        allowed = every_rank_muon.get(name) if dp is None else _muon_state_dtypes(opt, dp)
         for k, v in entry.items():
             want = allowed.get(k) if allowed is not None else dtype_of[name]
             if allowed is not None and k not in allowed:
@@ -316,7 +330,7 @@ def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode:
     """Compare the incoming state tensors with the checksums the dict carries (where it carries any); raise
     on every rank together, before the optimizer changes. Collective (one more all-reduce to word the error)."""
     items = [_item(dp, f"{dp.fqn}.{k}") for dp in state.dedicated() for k in sorted(_muon_state_dtypes(opt, dp))]
-    for name, p, _ in _adamw_params(opt):
+    for name, p, _ in _every_rank_params(opt):
         keys = (structure or {}).get(name, {}) if mode is Mode.RANK0 else local_state.get(name, {})
         items += [Item(f"{name}.{k}", None, p) for k in sorted(keys)]
     values = {f"{n}.{k}": v for n, e in local_state.items() if isinstance(e, Mapping) for k, v in e.items()}
@@ -341,7 +355,7 @@ def _aliases_live_state(opt: Muon, state: DMuonState, local_state: Mapping[str, 
     """Whether some incoming tensor is the optimizer's own live state tensor (a sharded dict built without
     ``staged=True``)."""
     params = {dp.fqn: dp.param for dp in state.dedicated() if dp.is_owner}
-    params.update({name: p for name, p, _ in _adamw_params(opt)})
+    params.update({name: p for name, p, _ in _every_rank_params(opt)})
     for name, entry in local_state.items():
         live = opt.state.get(params[name], {}) if name in params else {}
         if isinstance(entry, Mapping) and any(aliases(v, live.get(k)) for k, v in entry.items()):
@@ -422,7 +436,7 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
                          local_state: Mapping[str, Any]) -> dict[nn.Parameter, dict[str, Any]]:
     """AdamW: DTensor moments re-sharded for this topology; scalars and plain tensors copied."""
     new_state: dict[nn.Parameter, dict[str, Any]] = {}
-    for name, p, g in _adamw_params(opt):
+    for name, p, g in _every_rank_params(opt):
         source = local_state.get(name, {}) if mode is Mode.ALL else structure.get(name, {})  # type: ignore[union-attr]
         if not source:
             continue
@@ -439,10 +453,11 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.step")  # type: ignore[index]
                 st[k] = v.detach().to(_state_device(p, g, k), copy=True)
             elif isinstance(p, DTensor):
+                dtype = (_state_dtypes(opt, name, p) or {}).get(k)  # a Muon master / momentum may be wider
                 if isinstance(v, DTensor):
                     st[k] = _adopt_dtensor(v, p)
                 else:
-                    st[k] = scatter_dtensor(p, v, mode, state, f"{name}.{k}")
+                    st[k] = scatter_dtensor(p, v, mode, state, f"{name}.{k}", dtype)
             else:
                 if mode is Mode.RANK0:
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.{k}")  # type: ignore[index]

@@ -16,10 +16,11 @@ constructor's defaults: Muon for the dedicated matrices, AdamW for the rest.
 
 [Note: group layout] ``Muon.param_groups`` are real torch groups, but torch's foreach kernels refuse a
 list that mixes DTensors with plain tensors, and a Muon group holds only the matrices this rank owns.
-So each user group becomes one internal group (``kind="muon"``), plus ``"muon_sharded"`` where it holds
-params Muon updates on the engine's shards ([Note: Muon on the engine's shards] in ``sharded.py``), or
-two (``"adamw"``: FSDP2 shards, ``"adamw_replicated"``: plain params), every internal group carrying the
-user group's ``name``; then come the default groups. Without user groups that is the layout dmuon always had
+So each user group becomes one internal group (``kind="muon"``: the matrices this rank owns and the
+params Muon updates on the engine's shards, [Note: Muon on the engine's shards] in ``sharded.py``; Muon
+steps param by param, so the mix is no trouble, and the layout does not depend on the route, which may
+differ between world sizes) or two (``"adamw"``: FSDP2 shards, ``"adamw_replicated"``: plain params),
+every internal group carrying the user group's ``name``; then come the default groups. Without user groups that is the layout dmuon always had
 (``muon``, ``adamw``, ``adamw_replicated``). The layout is decided from the global picture (every
 dedicated FQN, not only the owned ones), so it is the same on every rank, and checkpoints match groups
 by index and FQN.
@@ -224,12 +225,7 @@ def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned
                 tuple(everyone))
 
     if group.use_muon:
-        owners = [n for n in group.fqns if n not in sharded]
-        out = [entry("muon", [n for n in owners if n in owned], owners)]
-        on_shards = [n for n in group.fqns if n in sharded]
-        if on_shards:
-            out.append(entry("muon_sharded", on_shards, on_shards))
-        return out
+        return [entry("muon", [n for n in group.fqns if n in owned or n in sharded], group.fqns)]
     plain = [n for n in group.fqns if n not in owner_adamw]
     out = [entry(kind, names, names) for kind, names in (
         ("adamw", [n for n in plain if isinstance(params[n], DTensor)]),

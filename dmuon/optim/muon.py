@@ -228,9 +228,8 @@ class Muon(torch.optim.Optimizer):
         resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
-        engine_muon.check_sharded_params({n: p for g, _ in internal if g["kind"] == engine_muon.KIND
-                                          for n, p in zip(g["param_names"], g["params"])}, self._layouts(state))
-        adamw_groups = [g for g, _ in internal if g["kind"] not in ("muon", engine_muon.KIND)]
+        self._check_sharded([g for g, _ in internal], state)
+        adamw_groups = [g for g, _ in internal if g["kind"] != "muon"]
         # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
         # our param_groups drive AdamW too.
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused,
@@ -299,9 +298,9 @@ class Muon(torch.optim.Optimizer):
         out = []
         for group in resolved:
             for g, names in torch_groups(group, params, owned, owner_adamw, sharded):
-                if g["kind"] in ("muon", "adamw_owned"):
-                    g["param_names"] = [fqn_of[n] for n in g["param_names"]]
-                    names = tuple(fqn_of[n] for n in names)
+                if g["kind"] in ("muon", "adamw_owned"):  # dedicated: their names at dedicate_params
+                    g["param_names"] = [fqn_of.get(n, n) for n in g["param_names"]]
+                    names = tuple(fqn_of.get(n, n) for n in names)
                 out.append((g, names))
         return out
 
@@ -309,6 +308,16 @@ class Muon(torch.optim.Optimizer):
     def _layouts(state: DMuonState) -> dict[str, Any]:
         """The matrices of each ``Route.MUON_SHARDED`` param, by canonical FQN."""
         return {canonical_name(fqn): blocks for fqn, blocks in state.sharded_muon.items()}
+
+    def _sharded_in(self, group: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        """``(fqn, param)`` of a Muon group's params on the engine's shards (every rank holds them all)."""
+        layouts = self._layouts(self._dmuon_state)
+        return [(n, p) for n, p in zip(group["param_names"], group["params"]) if n in layouts]
+
+    def _check_sharded(self, groups: Sequence[Mapping[str, Any]], state: DMuonState) -> None:
+        layouts = self._layouts(state)
+        engine_muon.check_sharded_params({n: p for g in groups if g["kind"] == "muon"
+                                          for n, p in zip(g["param_names"], g["params"]) if n in layouts}, layouts)
 
     def group_fqns(self) -> list[tuple[str, ...]]:
         """Every rank's FQNs per param group, in ``param_groups`` order (a Muon group's ``params`` hold only
@@ -338,10 +347,9 @@ class Muon(torch.optim.Optimizer):
         (group,) = self._resolve(state.model, state, [param_group], taken=taken,
                                  first_index=len(self.param_groups), with_defaults=False)
         internal = self._torch_groups(state.model, state, [group])
-        engine_muon.check_sharded_params({n: p for g, _ in internal if g["kind"] == engine_muon.KIND
-                                          for n, p in zip(g["param_names"], g["params"])}, self._layouts(state))
+        self._check_sharded([g for g, _ in internal], state)
         for g, names in internal:
-            if g["kind"] not in ("muon", engine_muon.KIND):
+            if g["kind"] != "muon":
                 self._adamw.add_param_group(g)
             super().add_param_group(g)
             self._group_fqns.append(names)
@@ -411,10 +419,9 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(local(p), dtype=self.update_dtype(dp),
                                                                     memory_format=torch.preserve_format)
         for g in self.param_groups:
-            if g["kind"] == engine_muon.KIND:
-                for p in g["params"]:
+            if g["kind"] == "muon":
+                for _, p in self._sharded_in(g):
                     engine_muon.materialise(p, self.state[p], self.master_dtype, self._sharded_seen)
-            if g["kind"] in ("muon", engine_muon.KIND):
                 continue
             for p in g["params"]:
                 st = self.state[p]
@@ -434,16 +441,16 @@ class Muon(torch.optim.Optimizer):
         if len(saved_groups) == len(self.param_groups):
             owned = self._owned()
             for group, saved in zip(self.param_groups, saved_groups):
-                if group["kind"] == engine_muon.KIND:
-                    for p, pid in zip(group["params"], saved["params"]):
-                        dtype = engine_muon.master_dtype_of(p, self.master_dtype)
-                        if dtype is not None and state_dict["state"].get(pid):
-                            wide.append((p, dtype, state_dict["state"][pid]))
                 if group["kind"] != "muon":
                     continue
                 for p, pid in zip(group["params"], saved["params"]):
                     entry = state_dict["state"].get(pid, {})
-                    dp = owned[id(p)]
+                    dp = owned.get(id(p))
+                    if dp is None:  # on the engine's shards
+                        dtype = engine_muon.master_dtype_of(p, self.master_dtype)
+                        if dtype is not None and entry:
+                            wide.append((p, dtype, entry))
+                        continue
                     if "master" in entry and self.state_master_dtype(dp) is None:
                         raise ValueError(
                             f"dmuon.Muon.load_state_dict: the state of {dp.fqn} has a 'master' but this optimizer "
@@ -461,7 +468,7 @@ class Muon(torch.optim.Optimizer):
                     self.state[p][k] = entry[k].to(device=p.device, dtype=dtype)
         self._sharded_seen.clear()  # new masters: compare them with the params once at the next step
         # Optimizer.load_state_dict builds new group dicts and a new state map: re-share them with AdamW.
-        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] not in ("muon", engine_muon.KIND)]
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
         self._adamw.state = self.state
 
     def _replace_state(self, new_state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
@@ -505,8 +512,6 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._step_muon_group(group, owned)
-            elif group["kind"] == engine_muon.KIND:
-                engine_muon.step_group(group, self.state, self._layouts(state), self.master_dtype, self._sharded_seen)
             elif group["kind"] == "adamw_owned":
                 for p in group["params"]:  # a gradient reduced in a wider dtype: AdamW reads .grad
                     grad = owned[id(p)].reduced_grad()
@@ -523,9 +528,13 @@ class Muon(torch.optim.Optimizer):
     def _step_muon_group(self, group: dict[str, Any], owned: dict[int, DedicatedParam]) -> None:
         """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""
         hp = MuonHParams.from_group(group)
+        engine_muon.step_params(self._sharded_in(group), hp, self.state, self._layouts(self._dmuon_state),
+                                self.master_dtype, self._sharded_seen)
         by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
         for p in group["params"]:
-            dp = owned[id(p)]
+            dp = owned.get(id(p))
+            if dp is None:  # on the engine's shards: done above
+                continue
             grad = dp.reduced_grad()
             if grad is None:
                 continue

@@ -30,10 +30,7 @@ from ..runtime.param import splits_dim0_only
 from ..runtime.precision import is_wider, refresh_master_
 from .update import MuonHParams, muon_update_batch_
 
-__all__ = ["KIND", "check_sharded_params", "master_dtype_of", "update_target", "step_group", "materialise"]
-
-#: The internal param-group kind of ``Route.MUON_SHARDED`` params ([Note: group layout] in ``groups.py``).
-KIND = "muon_sharded"
+__all__ = ["check_sharded_params", "master_dtype_of", "update_target", "step_params", "materialise"]
 
 
 def check_sharded_params(named: Mapping[str, nn.Parameter], layouts: Mapping[str, Blocks]) -> None:
@@ -81,13 +78,12 @@ def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None
         st["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
 
 
-def step_group(group: dict[str, Any], state: Mapping[Tensor, dict[str, Any]], layouts: Mapping[str, Blocks],
-               master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
-    """Muon on every rank's whole matrices of the group's params: same local shape, dtypes and blocks batched
-    into one Newton-Schulz call per run of blocks."""
-    hp = MuonHParams.from_group(group)
+def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mapping[Tensor, dict[str, Any]],
+                layouts: Mapping[str, Blocks], master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
+    """Muon on every rank's whole matrices of the ``(fqn, param)`` of one param group: same local shape, dtypes
+    and blocks batched into one Newton-Schulz call per run of blocks."""
     batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor]]] = {}
-    for p, fqn in zip(group["params"], group["param_names"]):
+    for fqn, p in named:
         if p.grad is None or p._local_tensor.shape[0] == 0:  # no gradient, or an empty chunk on this rank
             continue
         st = state[p]
