@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 examples/accelerate_dmuon.py [--output_dir DIR]
 
 ``Accelerator()`` starts the process group; the model is built, given owners with
-``dmuon.dedicate_params`` and sharded with ``fully_shard`` as in the custom-loop recipe; then everything
+``dmuon.dedicate_params`` and sharded with ``fully_shard`` as in docs/guides/custom-loop.md; then everything
 goes through ``accelerator.prepare`` as usual. With ``import dmuon.integrations.hf`` Accelerate leaves
 the model unwrapped (no DDP; autocast / compile as configured), ``accelerator.accumulate`` defers
 gradient traffic with ``dmuon.no_sync``, ``accelerator.clip_grad_norm_(model.parameters(), ...)`` is

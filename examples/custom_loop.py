@@ -1,8 +1,8 @@
-"""The "Custom training loops" integration recipe, runnable as is.
+"""docs/guides/custom-loop.md as a program (README.md's complete script with a ``DataLoader``), runnable as is.
 
     torchrun --nproc_per_node 2 examples/custom_loop.py
 
-It follows the recipe's call sequence literally: ``dmuon.dedicate_params`` *before* ``fully_shard``
+It follows the guide's call sequence literally: ``dmuon.dedicate_params`` *before* ``fully_shard``
 (per layer, then the root), ``dmuon.Muon(model, ...)`` as the only optimizer, and an unchanged
 ``zero_grad / forward / backward / step`` loop. ``MyModel`` is a tiny Llama whose ``forward(batch)``
 returns an object with ``.loss``; the data is a small synthetic Markov-chain token set, so the loss falls
@@ -40,7 +40,7 @@ class MyModel(TinyLlama):
     """A stand-in for your model: ``model(batch).loss`` like a HuggingFace causal LM.
 
     Subclassing (rather than wrapping) keeps the Llama layout ``layers.N.*_proj`` at the top level, so
-    ``model.layers`` and the ``"proj"`` predicate of the recipe apply unchanged.
+    ``model.layers`` and the guide's ``"proj"`` predicate apply unchanged.
     """
 
     def __init__(self) -> None:

@@ -1,8 +1,9 @@
-"""The "HuggingFace Transformers and Accelerate" recipe (hf_dmuon.py), runnable as is.
+"""docs/guides/hf-transformers.md as a program: a HF causal LM in your own loop, runnable as is.
 
     torchrun --nproc_per_node 2 examples/hf_dmuon.py [--arch llama|qwen2] [--bf16]
 
-Identical to the seed's call sequence except where this machine forces a change: the model is built from
+The guide's call sequence (README.md's complete script, with HF module names) except where this machine
+forces a change: the model is built from
 a small config (``AutoModelForCausalLM.from_config``) instead of downloaded with ``from_pretrained``, the
 data is synthetic, and it runs on CPU/gloo when there is no GPU. Exits non-zero if the loss did not fall.
 """

@@ -1,8 +1,8 @@
-"""The "HuggingFace Trainer" integration recipe, runnable as is.
+"""docs/guides/hf-trainer.md as a program, runnable as is.
 
     torchrun --nproc_per_node 2 examples/hf_trainer_dmuon.py [--output_dir DIR]
 
-It follows the recipe: a ``LlamaForCausalLM`` (tiny, built from a small ``LlamaConfig``: no download),
+It follows the guide: a ``LlamaForCausalLM`` (tiny, built from a small ``LlamaConfig``: no download),
 ``dmuon.dedicate_params`` on the attention / MLP projections *before* ``fully_shard`` (per decoder layer,
 then the root), ``dmuon.Muon`` passed to a plain ``transformers.Trainer`` through ``optimizers=``, and
 ``fsdp=""``. Trainer's defaults stay on: ``max_grad_norm=1.0`` (clipped by ``dmuon.clip_grad_norm_``),
@@ -10,8 +10,8 @@ its linear learning-rate schedule (it scales the Muon and the AdamW groups), and
 of training (gathered on every rank, written by rank 0). Rank 0 then loads that checkpoint with a plain
 ``AutoModelForCausalLM.from_pretrained`` and checks it against the trained weights.
 
-Building ``dmuon.Muon`` in a script that uses transformers installs ``dmuon.integrations.hf``, which
-teaches Trainer and Accelerate about dmuon models;
+``dmuon.dedicate_params`` in a script that imported transformers (or accelerate) installs
+``dmuon.integrations.hf``, which teaches Trainer and Accelerate about dmuon models;
 ``dmuon.integrations.hf.DMuonTrainer`` is the same as an explicit drop-in subclass.
 
 The data is a synthetic Markov-chain token set, so the loss falls within a few epochs. Runs on CUDA

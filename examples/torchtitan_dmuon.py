@@ -1,4 +1,4 @@
-"""The "torchtitan" integration recipe, runnable as is.
+"""docs/guides/torchtitan.md as a program, runnable as is.
 
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py            # FSDP over 2 ranks
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --tp 2     # tensor parallel, dp=1 x tp=2

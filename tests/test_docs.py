@@ -218,3 +218,29 @@ def test_api_reference_lists_every_public_name() -> None:
     modules = {p.stem for p in REFERENCE.glob("*.md")}
     missing = [n for n in _all_of(SOURCE / "__init__.py") if n not in documented and n not in modules]
     assert not missing, f"docs/reference/dmuon.md has no `::: dmuon.NAME` entry for {missing}"
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Words a reader can follow                                                                              #
+# --------------------------------------------------------------------------------------------------- #
+#: What a reader sees: the README, the docs pages, the examples and dmuon's own docstrings and messages.
+USER_FACING = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").glob("*.py")),
+               *sorted(SOURCE.rglob("*.py"))]
+#: Names for our docs that only the people who wrote them knew ("the seed" was the design brief the README
+#: grew from), and recipe headings quoted from it that exist on no page.
+PRIVATE_WORDS = re.compile(r"\bthe seed\b|\bseed's\b|\bseed recipes?\b|\"[A-Z][\w ]+\"( integration)? recipes?", re.I)
+
+
+def test_user_facing_text_names_pages_that_exist() -> None:
+    """No private names for our docs, and every ``docs/....md`` a docstring or page points to exists."""
+    private, missing = [], []
+    for path in USER_FACING:
+        rel = path.relative_to(ROOT).as_posix()
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if PRIVATE_WORDS.search(line):
+                private.append(f"{rel}:{i}: {line.strip()}")
+            for page in re.findall(r"\bdocs/[\w./-]+?\.md\b", line):
+                if not (ROOT / page).is_file():
+                    missing.append(f"{rel}:{i}: {page}")
+    assert not private, "name our own docs pages instead:\n" + "\n".join(private)
+    assert not missing, "these point to docs pages that do not exist:\n" + "\n".join(missing)

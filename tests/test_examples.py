@@ -79,7 +79,7 @@ def test_demo_runs_and_plots(tmp_path: Path) -> None:
 
 
 def test_manual_overrides_recipe_runs_under_torchrun() -> None:
-    """Accumulation with no_sync, then the seed's save/load round trip into a fresh model."""
+    """Accumulation with no_sync, then the checkpoints guide's save/load round trip into a fresh model."""
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  "examples/manual_overrides.py"])
     match = re.search(r"manual_overrides: OK restored loss (\d+\.\d+) \(original (\d+\.\d+)\)", proc.stdout)

@@ -1,6 +1,6 @@
 """HuggingFace Trainer and Accelerate drive a dmuon model (2 gloo ranks on CPU).
 
-* the seed's Trainer recipe (``examples/hf_trainer_dmuon.py``) trains under torchrun with Trainer's
+* the Trainer script of docs/guides/hf-trainer.md (``examples/hf_trainer_dmuon.py``) trains under torchrun with Trainer's
   defaults (``max_grad_norm=1.0``, linear schedule, a checkpoint at the end) and the checkpoint loads
   with a plain ``from_pretrained``;
 * the norm plain ``Trainer`` logs and clips with equals single-process ``torch.nn.utils.clip_grad_norm_``
