@@ -94,7 +94,7 @@ def test_help_is_plain_text_and_names_every_variant_and_preset(capsys):
 def test_presets_are_named_as_in_plan_and_short_names_still_work():
     from dmuon.tools.presets import PRESETS
 
-    assert set(bench.BENCH_PRESETS) - {"tiny"} == set(PRESETS)  # one naming for plan and bench
+    assert set(bench.BENCH_PRESETS) == set(PRESETS)  # one naming for plan and bench
     assert bench._parse_args(["--preset", "8b"])[1].preset == "llama3-8b"
     assert bench.BENCH_PRESETS["1b"] == bench.BENCH_PRESETS["llama3.2-1b"]  # scripts that index it by the old key
     with pytest.raises(SystemExit):

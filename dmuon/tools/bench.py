@@ -61,11 +61,9 @@ class _Presets(dict):
         raise KeyError(key)
 
 
-#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab): a CPU smoke shape, then dmuon.tools.presets'
-BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets({
-    "tiny": (128, 256, 2, 4, 2, 256),
-    **{name: (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.vocab) for name, s in PRESETS.items()},
-})
+#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab): dmuon.tools.presets' shapes (``tiny`` first)
+BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets(
+    {name: (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.vocab) for name, s in PRESETS.items()})
 VARIANTS = ("fsdp_adamw", "naive_fsdp_muon", "torch_muon", "dmuon_z3", "dmuon_z2")
 #: one line per variant, for --help
 _VARIANT_HELP = {
@@ -394,7 +392,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--simulate-world-size", type=int, default=0, metavar="W",
                         help="instead of training: time the busiest owner's Muon step of a W-rank job on this one "
-                             "device against torch's NS on all matrices / W (needs a Llama preset; default 0: off)")
+                             "device against torch's NS on all matrices / W (default 0: off)")
     parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
                         help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...))")
     parser.add_argument("--dmuon-wrap", choices=["layers", "root", "none"], default="layers",
@@ -445,8 +443,6 @@ def main(argv: list[str] | None = None) -> int:
                            "replicate": args.replicate, "replicate_async": args.replicate_async,
                            "e2e_steps": args.e2e_steps}
     if args.simulate_world_size:
-        if args.preset == "tiny":
-            parser.error(f"--simulate-world-size needs a Llama preset ({', '.join(p for p in BENCH_PRESETS if p != 'tiny')})")
         sim = _simulate(args, device)
         out["simulate"] = sim
         print(f"{args.preset}, simulated world {sim['world_size']}: busiest owner (rank {sim['busiest_rank']}, "
