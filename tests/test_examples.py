@@ -73,6 +73,8 @@ def test_demo_runs_and_plots(tmp_path: Path) -> None:
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s*$", text, flags=re.MULTILINE)
     assert rows and int(rows[-1][0]) == 6, text
     assert "forward_broadcast" in text and "reduce" in text, text
+    # stdout is a pipe here, as in a CI log: progress as plain lines (every 5th step and the last), no \r bar
+    assert "\r" not in text and re.findall(r"^  step\s+(\d+)/6 ", text, flags=re.MULTILINE) == ["5", "6"], text
     png = out / "loss.png"
     assert png.is_file(), text
     assert png.read_bytes()[:8] == PNG_MAGIC
