@@ -4,8 +4,8 @@
 
 Trains with gradient accumulation as the gradient-accumulation guide writes it (``dmuon.no_sync`` on all
 but every ``accum_steps``-th micro-batch), then saves a full checkpoint as the checkpoints guide's "Full and
-topology-free" section does (collective state-dict calls, ``torch.save`` on rank 0), loads it into a *fresh* model and optimizer, and checks that the restored
-model computes the same loss. Exits non-zero if anything differs. CUDA (NCCL) when available, else CPU.
+topology-free" section does (collective state-dict calls, ``torch.save`` on rank 0), loads it into a
+*fresh* model and optimizer, and checks that the restored model computes the same loss. Exits non-zero if anything differs. CUDA (NCCL) when available, else CPU.
 """
 
 from __future__ import annotations

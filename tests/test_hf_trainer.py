@@ -266,7 +266,8 @@ def test_unsupported_accelerate_setups_are_refused() -> None:
 
 def test_trainer_recipe_trains_and_saves(tmp_path: Path) -> None:
     out = _torchrun("examples/hf_trainer_dmuon.py", "--output_dir", str(tmp_path / "out"))
-    match = re.search(r"hf_trainer_dmuon: OK loss (\d+\.\d+) -> (\d+\.\d+) \((\d+) steps\)", out)
+    match = re.search(r"hf_trainer_dmuon: OK loss (\d+\.\d+) -> (\d+\.\d+) \(mean of the last 3\), -\d+% \(needs -10%\) "
+                      r"\((\d+) steps\)", out)
     assert match, out
     assert float(match.group(2)) < float(match.group(1)), out
     assert int(match.group(3)) == 24, out  # 32 samples / (2 per device x 2 ranks) x 3 epochs: the data is split
