@@ -394,3 +394,14 @@ def test_the_trainer_guide_counts_the_lines_it_marks() -> None:
     marked = sum("# dmuon" in line for line in program.code.splitlines())
     stated = re.search(r"Against a plain `Trainer` script, (\d+) lines change", page.read_text(encoding="utf-8"))
     assert stated and int(stated.group(1)) == marked, (stated and stated.group(0), marked)
+
+
+def test_the_docs_requirements_are_the_docs_extra() -> None:
+    """requirements-docs.txt (the docs alone, no torch) and the `docs` / `test` extras pin the same packages."""
+    wanted = sorted(line.strip() for line in (ROOT / "requirements-docs.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extras = {m["name"]: re.findall(r'"([^"]+)"', m["deps"])  # a list ends with the "]" that ends its line
+              for m in re.finditer(r"^(?P<name>\w+) = \[(?P<deps>.*?)\]$", pyproject, re.M | re.S)}
+    assert sorted(extras["docs"]) == wanted, (extras["docs"], wanted)
+    assert set(wanted) <= set(extras["test"]), extras["test"]
