@@ -15,6 +15,11 @@ both derived from dmuon's source with ``ast`` (nothing is imported, so they cost
 
 A third check keeps the API reference complete: every name of ``dmuon.__all__`` has its entry there.
 The build itself takes a few seconds: griffe reads the docstrings statically, without importing torch.
+
+And the words and code a reader meets: no private names for our own docs, no pointer to a page that does
+not exist, and every python block of README.md and docs/ either runs (``test_docs_snippets_run_on_two_cpu_ranks``:
+one torchrun job of 2 gloo ranks, about 20 s; the markers are explained above ``PAGES``), is an excerpt
+of one that runs, or says why not.
 """
 
 from __future__ import annotations
