@@ -43,8 +43,9 @@ VOCAB = 64
 #: torch's arithmetic bit for bit and only the summation order of the gradient average differs, which
 #: bfloat16 Newton-Schulz amplifies step by step (measured on 2 CPU ranks: 1.3e-6 at step 2, 5.7e-5 at
 #: step 10). On CUDA dmuon's default ns_backend="auto" runs Newton-Schulz in float16 where torch uses
-#: bfloat16: a slightly different update.
-PARITY_RTOL = {"cpu": 3e-4, "cuda": 2e-2}
+#: bfloat16, a slightly different update; that bound is an estimate (torch's bfloat16 iteration is itself
+#: about 1e-2 from the exact one), not yet measured on a GPU.
+PARITY_RTOL = {"cpu": 3e-4, "cuda": 5e-2}
 
 
 class MyModel(TinyLlama):
