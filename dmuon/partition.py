@@ -237,11 +237,11 @@ class OwnerPlan:
         numels = [r.numel for r in self.ranks]
         idle = counts.count(0)
         return (
-            f"dmuon: {len(self.owners)} dedicated params over {self.world_size} ranks, "
+            f"dmuon: {len(self.owners)} dedicated params over {_plural(self.world_size, 'rank')}, "
             f"NS-cost imbalance {self.imbalance:.3f} (max/mean), "
             f"per-rank params {min(counts)}..{max(counts)}, "
             f"elements {_count(min(numels))}..{_count(max(numels))}"
-            + (f", {idle} ranks own none" if idle else "")
+            + (f", {_plural(idle, 'rank')} own{'s' if idle == 1 else ''} none" if idle else "")
         )
 
     def as_dict(self) -> dict:
@@ -257,14 +257,20 @@ class OwnerPlan:
         }
 
 
+def _plural(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _count(n: int) -> str:
-    """An element count for people: ``950``, ``12.6K``, ``218M``, ``6.98G`` (three significant digits)."""
+    """An element count for people: ``950``, ``12.6K``, ``218M``, ``6.98G``, ``14.0G``: three significant
+    digits, trailing zeros kept, so counts printed side by side carry the same precision."""
     if n < 1000:
         return str(n)
     for exp, unit in enumerate("KMGT", start=1):
-        v = n / 1000**exp
-        if float(f"{v:.3g}") < 1000 or unit == "T":  # 999.96K would print as 1e+03K: take the next unit
-            return f"{v:.3g}{unit}" if v < 1000 else f"{v:.0f}{unit}"
+        v = float(f"{n / 1000**exp:.3g}")  # rounded to 3 digits first: 999.96K is 1.00M, not 1e+03K
+        if v < 1000 or unit == "T":
+            return f"{v:.{max(0, 3 - len(str(int(v))))}f}{unit}"
     raise AssertionError("unreachable")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from dmuon.tools.plan import main
+from dmuon.tools.plan import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

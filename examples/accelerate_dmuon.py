@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 examples/accelerate_dmuon.py [--output_dir DIR]
 
 ``Accelerator()`` starts the process group; the model is built, given owners with
-``dmuon.dedicate_params`` and sharded with ``fully_shard`` as in the custom-loop recipe; then everything
+``dmuon.dedicate_params`` and sharded with ``fully_shard`` as in docs/guides/custom-loop.md; then everything
 goes through ``accelerator.prepare`` as usual. With ``import dmuon.integrations.hf`` Accelerate leaves
 the model unwrapped (no DDP; autocast / compile as configured), ``accelerator.accumulate`` defers
 gradient traffic with ``dmuon.no_sync``, ``accelerator.clip_grad_norm_(model.parameters(), ...)`` is
@@ -11,7 +11,8 @@ gradient traffic with ``dmuon.no_sync``, ``accelerator.clip_grad_norm_(model.par
 The package docstring of ``dmuon/integrations/hf/__init__.py`` lists which Accelerate features apply.
 
 Runs on CUDA (NCCL) when available, otherwise CPU (gloo; ``Accelerator(cpu=True)`` makes Accelerate see
-the torchrun ranks). Exits non-zero if the loss did not decrease or the saved weights do not match.
+the torchrun ranks). Exits non-zero if the loss did not fall by the margin its last line states
+(``dmuon.tools.verdict``) or the saved weights do not match.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 import dmuon.integrations.hf  # noqa: F401  (Trainer / Accelerate glue for dmuon models)
 
 VOCAB = 64
@@ -129,7 +131,7 @@ def main() -> int:
     accelerator.save_model(model, output_dir)  # weights gathered on every rank, written by the main process
     accelerator.wait_for_everyone()
     trained = dmuon.get_model_state_dict(model, rank0_only=True)  # collective
-    ok = losses[-1] < losses[0]
+    ok, text = loss_fell(losses, by=0.05)  # epoch means: epochs 2-3 average about -12% on 2 CPU ranks
     if accelerator.is_main_process:
         import safetensors.torch
 
@@ -138,7 +140,7 @@ def main() -> int:
         ok = ok and same
         print(f"saved weights match the trained model: {same}", flush=True)
         verdict = "OK" if ok else "FAILED"
-        print(f"accelerate_dmuon: {verdict} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"accelerate_dmuon: {verdict} {text}", flush=True)
     flag = torch.tensor([1.0 if ok else 0.0], device=accelerator.device)
     ok_everywhere = accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes
     if accelerator.is_main_process and cli.output_dir is None:  # every rank is past the reduce: nobody reads it

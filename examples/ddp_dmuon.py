@@ -6,8 +6,8 @@
 (``_ddp_params_and_buffers_to_ignore``), so the ``DistributedDataParallel`` built next broadcasts and
 all-reduces only the other parameters, and dmuon owns, broadcasts and reduces the matrices. Pass the DDP
 model to ``dmuon.Muon`` (and to ``dmuon.no_sync`` for accumulation, which then also enters DDP's
-``no_sync``). The model and data are the custom-loop example's. Exits non-zero if the loss did not
-decrease.
+``no_sync``). The model and data are the custom-loop example's. Exits non-zero if the loss did not fall
+by the margin its last line states (``dmuon.tools.verdict``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 from custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E402 - this folder's example
 
 ACCUM = 2  # micro-batches per step: all but the last under dmuon.no_sync
@@ -69,9 +70,9 @@ def main() -> int:
             if rank == 0:
                 print(f"step {len(losses):>2}  loss {losses[-1]:.4f}", flush=True)
 
-    ok = losses[-1] < losses[0]
+    ok, text = loss_fell(losses, by=0.2)  # reaches about -35% on 2 CPU ranks
     if rank == 0:
-        print(f"ddp_dmuon: {'OK' if ok else 'FAILED'} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"ddp_dmuon: {'OK' if ok else 'FAILED'} {text}", flush=True)
     # Free DDP (its reducer holds the process group) and the model before tearing the group down, on every
     # rank at the same point: a DDP model alive at destroy_process_group hung one gloo run at exit.
     dist.barrier()

@@ -1,10 +1,11 @@
-"""The "HuggingFace Transformers and Accelerate" recipe (hf_dmuon.py), runnable as is.
+"""docs/guides/hf-transformers.md as a program: a HF causal LM in your own loop, runnable as is.
 
     torchrun --nproc_per_node 2 examples/hf_dmuon.py [--arch llama|qwen2] [--bf16]
 
-Identical to the seed's call sequence except where this machine forces a change: the model is built from
-a small config (``AutoModelForCausalLM.from_config``) instead of downloaded with ``from_pretrained``, the
-data is synthetic, and it runs on CPU/gloo when there is no GPU. Exits non-zero if the loss did not fall.
+The guide's call sequence (README.md's complete script, with HF module names) except where this machine
+forces a change: the model is built from a small config (``AutoModelForCausalLM.from_config``) instead of
+downloaded with ``from_pretrained``, the data is synthetic, and it runs on CPU/gloo when there is no GPU.
+Exits non-zero if the loss did not fall by the margin its last line states (``dmuon.tools.verdict``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,10 +97,9 @@ def main() -> int:
         losses.append(logged.item())
         if dist.get_rank() == 0:
             print(f"step {len(losses):>2}  loss {losses[-1]:.4f}", flush=True)
-    ok = losses[-1] < losses[0]
+    ok, text = loss_fell(losses, by=0.2)  # reaches about -40% on 2 CPU ranks
     if dist.get_rank() == 0:
-        print(f"hf_dmuon ({args.arch}{', bf16' if args.bf16 else ''}): {'OK' if ok else 'FAILED'} "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"hf_dmuon ({args.arch}{', bf16' if args.bf16 else ''}): {'OK' if ok else 'FAILED'} {text}", flush=True)
     # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
     # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
     # active exception"), with or without dmuon.

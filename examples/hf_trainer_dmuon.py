@@ -1,8 +1,8 @@
-"""The "HuggingFace Trainer" integration recipe, runnable as is.
+"""docs/guides/hf-trainer.md as a program, runnable as is.
 
     torchrun --nproc_per_node 2 examples/hf_trainer_dmuon.py [--output_dir DIR]
 
-It follows the recipe: a ``LlamaForCausalLM`` (tiny, built from a small ``LlamaConfig``: no download),
+It follows the guide: a ``LlamaForCausalLM`` (tiny, built from a small ``LlamaConfig``: no download),
 ``dmuon.dedicate_params`` on the attention / MLP projections *before* ``fully_shard`` (per decoder layer,
 then the root), ``dmuon.Muon`` passed to a plain ``transformers.Trainer`` through ``optimizers=``, and
 ``fsdp=""``. Trainer's defaults stay on: ``max_grad_norm=1.0`` (clipped by ``dmuon.clip_grad_norm_``),
@@ -10,13 +10,14 @@ its linear learning-rate schedule (it scales the Muon and the AdamW groups), and
 of training (gathered on every rank, written by rank 0). Rank 0 then loads that checkpoint with a plain
 ``AutoModelForCausalLM.from_pretrained`` and checks it against the trained weights.
 
-Building ``dmuon.Muon`` in a script that uses transformers installs ``dmuon.integrations.hf``, which
-teaches Trainer and Accelerate about dmuon models;
+``dmuon.dedicate_params`` in a script that imported transformers (or accelerate) installs
+``dmuon.integrations.hf``, which teaches Trainer and Accelerate about dmuon models;
 ``dmuon.integrations.hf.DMuonTrainer`` is the same as an explicit drop-in subclass.
 
 The data is a synthetic Markov-chain token set, so the loss falls within a few epochs. Runs on CUDA
 (NCCL) when available, otherwise CPU (gloo; ``use_cpu=True`` makes Accelerate see the torchrun ranks).
-Exits non-zero if the loss did not decrease or the checkpoint does not match.
+Exits non-zero if the loss did not fall by the margin its last line states (``dmuon.tools.verdict``) or the
+checkpoint does not match.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 
 VOCAB = 64
 SEQ_LEN = 32
@@ -147,7 +149,7 @@ def main() -> int:
     # The end-of-training checkpoint, loaded the ordinary way on one process.
     final = dmuon.get_model_state_dict(model, rank0_only=True)  # collective
     ckpt = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
-    ok = log.losses[-1] < log.losses[0]
+    ok, text = loss_fell(log.losses, by=0.1)  # reaches about -20% on 2 CPU ranks
     if rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
         same = reloaded.keys() == final.keys() and all(torch.equal(reloaded[k], final[k]) for k in final)
@@ -155,8 +157,7 @@ def main() -> int:
         print(f"checkpoint {ckpt}: optimizer.pt {os.path.isfile(os.path.join(ckpt, 'optimizer.pt'))}, "
               f"from_pretrained matches the trained weights: {same}", flush=True)
         verdict = "OK" if ok else "FAILED"
-        print(f"hf_trainer_dmuon: {verdict} loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f} "
-              f"({trainer.state.global_step} steps)", flush=True)
+        print(f"hf_trainer_dmuon: {verdict} {text} ({trainer.state.global_step} steps)", flush=True)
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # gloo supports MIN; one verdict for every rank's exit code
     if rank == 0 and cli.output_dir is None:  # every rank is past its last file access (the all_reduce)

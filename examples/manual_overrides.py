@@ -1,11 +1,11 @@
-"""The "Optional manual overrides" and "Checkpointing across integrations" recipes, runnable as is.
+"""docs/guides/gradient-accumulation.md and docs/guides/checkpoints.md as one program, runnable as is.
 
     torchrun --nproc_per_node 2 examples/manual_overrides.py
 
-Trains with gradient accumulation exactly as the seed writes it (``dmuon.no_sync`` on all but every
-``accum_steps``-th micro-batch), then saves a full checkpoint the seed's way (collective state-dict calls,
-``torch.save`` on rank 0), loads it into a *fresh* model and optimizer, and checks that the restored
-model computes the same loss. Exits non-zero if anything differs. CUDA (NCCL) when available, else CPU.
+Trains with gradient accumulation as the gradient-accumulation guide writes it (``dmuon.no_sync`` on all
+but every ``accum_steps``-th micro-batch), then saves a full checkpoint as the checkpoints guide's "Full and
+topology-free" section does (collective state-dict calls, ``torch.save`` on rank 0), loads it into a
+*fresh* model and optimizer, and checks that the restored model computes the same loss. Exits non-zero if anything differs. CUDA (NCCL) when available, else CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling recipe's model and data
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # custom_loop.py's model and data
 from custom_loop import BATCH_PER_RANK, MarkovTokens, MyModel  # noqa: E402
 
 import dmuon  # noqa: E402  (custom_loop made a source checkout importable)
@@ -57,7 +57,7 @@ def main() -> int:
     dataloader = DataLoader(dataset, batch_size=micro, sampler=DistributedSampler(dataset, shuffle=False))
     accum_steps = ACCUM_STEPS
 
-    # Gradient accumulation (the seed's loop, verbatim apart from moving the batch to the device).
+    # Gradient accumulation (docs/guides/gradient-accumulation.md's loop, plus moving the batch to the device).
     for i, batch in enumerate(dataloader):
         batch = {k: v.to(device) for k, v in batch.items()}
         ctx = dmuon.no_sync(model) if (i + 1) % accum_steps != 0 else nullcontext()

@@ -28,6 +28,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 
 DIM, VOCAB, PATCHES, TEXT = 64, 96, 8, 12
 
@@ -140,12 +141,11 @@ def main() -> int:
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
+    ok, text = loss_fell(losses, by=0.3)  # reaches about -55% on 2 CPU ranks
     if rank == 0:
         groups = sorted(g.fqn for g in model._dmuon_state.groups)
         print("hook boundaries:", ", ".join(groups))
-        print(f"multimodal_boundaries: {'OK' if losses[-1] < losses[0] else 'FAILED'} "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    ok = losses[-1] < losses[0]
+        print(f"multimodal_boundaries: {'OK' if ok else 'FAILED'} {text}")
     # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
     # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
     # active exception"), with or without dmuon.

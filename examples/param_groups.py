@@ -6,7 +6,8 @@ The usual day-one split: no weight decay on norms and biases, the embedding and 
 their own learning rate, and the MLP matrices on Muon with a smaller learning rate than the attention
 matrices (which keep the constructor's). A warm-up ``LambdaLR`` scales every group from its own lr.
 Groups name params by FQN here; parameter objects (taken after ``fully_shard``) and ``(name, param)``
-pairs work too. Prints each group and exits non-zero if the loss did not decrease.
+pairs work too. Prints each group, and exits non-zero if the loss did not fall by the margin its last line
+states (``dmuon.tools.verdict``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,36 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the examples package
 import dmuon  # noqa: E402
 from dmuon.tools.launch import main_or_spawn  # noqa: E402
+from dmuon.tools.verdict import loss_fell  # noqa: E402
 from examples.custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E402
+
+
+WARMUP = 5  # steps of linear learning-rate warm-up
+
+
+def print_groups(optimizer: dmuon.Muon) -> None:
+    """One row per named group: its algorithm, configured lr and weight decay, and its params over all ranks.
+
+    ``optimizer.param_groups`` has one torch group per kind (a user AdamW group is two: FSDP2 shards and plain
+    params; a Muon group holds only this rank's matrices), so rows merge a name's groups and count
+    ``group_fqns()``, which lists every rank's. ``lr`` is the configured value: the scheduler keeps it as
+    ``initial_lr`` and has already scaled ``group["lr"]`` to the first warm-up step's.
+    """
+    rows: dict[str, list] = {}
+    for group, names in zip(optimizer.param_groups, optimizer.group_fqns()):
+        algorithm = "muon" if group["kind"] == "muon" else "adamw"
+        configured_lr = group.get("initial_lr", group["lr"])
+        row = rows.setdefault(group["name"], [algorithm, configured_lr, group["weight_decay"], 0])
+        row[3] += len(names)
+    print(f"  {'group':<14} {'algorithm':<9} {'lr':>7} {'weight_decay':>12} {'params':>6}")
+    for name, (algorithm, lr, wd, n) in rows.items():
+        if n:
+            print(f"  {name:<14} {algorithm:<9} {lr:>7.3g} {wd:>12.3g} {n:>6}")
+    empty = [name for name, row in rows.items() if not row[3]]
+    if empty:
+        print(f"  (no params left for {', '.join(empty)}: the named groups took them all)")
+    print(f"  lr as configured; the warm-up runs step 1 at 1/{WARMUP} of it and reaches it at step {WARMUP}",
+          flush=True)
 
 
 def main() -> int:
@@ -49,11 +79,9 @@ def main() -> int:
          "weight_decay": 0.0},
         {"name": "mlp", "params": [n for n in dedicated if ".mlp." in n], "lr": 0.01},
     ])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP))
     if rank == 0:
-        for group, names in zip(optimizer.param_groups, optimizer.group_fqns()):
-            print(f"group {group['name']:<13} {group['kind']:<16} lr {group['lr']:.4g}  weight_decay "
-                  f"{group['weight_decay']:<5}  {len(names)} params", flush=True)
+        print_groups(optimizer)
 
     dataset = MarkovTokens(STEPS * BATCH_PER_RANK * world_size)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
@@ -68,10 +96,9 @@ def main() -> int:
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
 
-    ok = losses[-1] < losses[0]
+    ok, text = loss_fell(losses, by=0.2)  # reaches about -35% on 2 CPU ranks
     if rank == 0:
-        verdict = "OK" if ok else "FAILED (the loss did not decrease)"
-        print(f"param_groups: {verdict} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"param_groups: {'OK' if ok else 'FAILED'} {text}", flush=True)
     del model, optimizer, scheduler  # free FSDP2 before the process group (see custom_loop.py)
     gc.collect()
     dist.destroy_process_group()

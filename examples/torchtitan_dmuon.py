@@ -1,4 +1,4 @@
-"""The "torchtitan" integration recipe, runnable as is.
+"""docs/guides/torchtitan.md as a program, runnable as is.
 
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py            # FSDP over 2 ranks
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --tp 2     # tensor parallel, dp=1 x tp=2
@@ -26,7 +26,16 @@ torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is
 2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU) and the model computes in fp32 instead
 of torchtitan's default bf16 (bf16 matmuls are slow on CPU too; ``--mixed-precision-param bfloat16`` turns
 it on). The checkpoint goes to a temporary folder unless ``--out`` is given. Exits non-zero if the loss did
-not decrease.
+not fall by the margin its last line states (``dmuon.tools.verdict``).
+
+With ``--tp 2`` torch logs, once per rank, "While redistributing from (_StridedShard(dim=0, sf=2),
+Shard(dim=0)) to (Replicate(), Replicate()), 2 sequential all_gather operations will be performed. This is
+suboptimal: ... may give inconsistent results between ranks due to different reduction orders". It comes
+from the checksums of dmuon's sharded state dict (``DMuonCheckpointManager``), which gather each FSDP2 x TP
+parameter (the embedding, the output layer) whole with ``DTensor.full_tensor()``. A gather copies bytes and
+adds nothing, so no reduction order is involved and every rank gets the same bits (the TP resume in
+``tests/test_torchtitan_tp.py`` is bit-identical); the warning is about the cost of two gathers where one
+would do.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 
 try:
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
@@ -67,11 +77,14 @@ from dmuon.integrations.torchtitan import DMuonCheckpointManager, DMuonOptimizer
 
 BATCH_PER_RANK = 4
 SEQ_LEN = 64
+#: the data uses only the first TOKENS ids of the model's 2048: a successor map over all 2048 is more than
+#: a few hundred tokens per step can teach in 8 steps (the loss stayed near ln 2048 = 7.62, the uniform guess)
+TOKENS = 64
 
 
-def markov_batch(step: int, global_batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token sequences following a fixed random successor map 90% of the time: quick to learn, and the
-    same global batch on every rank for a given step (each rank then takes its slice)."""
+def markov_batch(step: int, global_batch: int, vocab: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences over ``vocab`` ids following a fixed random successor map 90% of the time: quick to
+    learn, and the same global batch on every rank for a given step (each rank then takes its slice)."""
     successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(step)
     tok = torch.empty(global_batch, SEQ_LEN + 1, dtype=torch.long)
@@ -157,10 +170,9 @@ def main() -> int:
               f"tensor-parallel ranks, {len(dmuon.get_owned_params(model))} on rank 0", flush=True)
 
     loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
-    vocab = model_config.vocab_size
     losses: list[float] = []
     for step in range(1, args.steps + 1):
-        tok, tgt = markov_batch(step, BATCH_PER_RANK * dp, vocab)
+        tok, tgt = markov_batch(step, BATCH_PER_RANK * dp)
         tok = tok[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
         tgt = tgt[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
         global_valid_tokens = torch.tensor(tgt.numel() * dp, device=device)
@@ -179,7 +191,7 @@ def main() -> int:
             print(f"step {step:>2}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.4f}", flush=True)
 
     checkpointer.close()
-    ok = losses[-1] < losses[0]
+    ok, text = loss_fell(losses, by=0.1)  # on 2 CPU ranks: -16% after 4 steps, -42% after 8
     dist.barrier()
     if rank == 0:
         ckpt = os.path.join(base_folder, "checkpoint", f"step-{args.steps}")
@@ -187,10 +199,7 @@ def main() -> int:
               + ("" if args.out else "; pass --out DIR to keep it"), flush=True)
         if not args.out:
             shutil.rmtree(base_folder)
-        if ok:
-            print(f"torchtitan_dmuon: OK loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-        else:
-            print(f"torchtitan_dmuon: FAILED loss did not decrease ({losses[0]:.4f} -> {losses[-1]:.4f})", flush=True)
+        print(f"torchtitan_dmuon: {'OK' if ok else 'FAILED'} {text}", flush=True)
     # Free the FSDP2 modules before tearing down the process group (torch 2.13 + gloo can abort at exit
     # while an FSDP2 model is alive, with or without dmuon).
     del model, optimizers, lr_schedulers, checkpointer

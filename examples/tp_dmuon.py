@@ -11,7 +11,7 @@ runs Newton-Schulz on it, and the result's shards go back; FSDP2 shards the rest
 usual one: ``parallelize_module`` -> ``dmuon.dedicate_params(model, mesh)`` with the 2-D ("dp", "tp") mesh
 -> ``fully_shard`` over ``mesh["dp"]`` -> ``dmuon.Muon``. The full state dict at the end has the unsplit
 model's keys and shapes (it loads into a dp-only or a single-process model). CPU (gloo) when there is no
-GPU. Exits non-zero if the loss did not decrease.
+GPU. Exits non-zero if the loss did not fall by the margin its last line states (``dmuon.tools.verdict``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout
 import dmuon  # noqa: E402
 from dmuon.tools.launch import main_or_spawn  # noqa: E402
+from dmuon.tools.verdict import loss_fell  # noqa: E402
 
 TP, VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH_PER_DP, STEPS = 2, 64, 64, 256, 2, 32, 8, 12
 
@@ -95,10 +96,12 @@ def main() -> int:
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         losses.append(logged.item())
     full = dmuon.get_model_state_dict(model)  # collective: TP matrices whole, as an unsplit model has them
-    ok = losses[-1] < losses[0] and tuple(full["layers.0.w1.weight"].shape) == (HIDDEN, DIM)
+    fell, text = loss_fell(losses, by=0.3)  # reaches about -65% on 2 CPU ranks
+    whole = tuple(full["layers.0.w1.weight"].shape) == (HIDDEN, DIM)
+    ok = fell and whole
     if dist.get_rank() == 0:
-        verdict = "OK" if ok else "FAILED (the loss did not decrease, or the state dict is not whole)"
-        print(f"tp_dmuon: {verdict} dp={world // TP} x tp={TP}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        verdict = "OK" if ok else "FAILED" + ("" if whole else " (the state dict's TP matrices are not whole)")
+        print(f"tp_dmuon: {verdict} dp={world // TP} x tp={TP}, {text}", flush=True)
     del model, optimizer  # free FSDP2 before the process group (see custom_loop.py)
     gc.collect()
     dist.destroy_process_group()

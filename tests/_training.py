@@ -193,7 +193,7 @@ class RunOptions:
 
 
 def train_dmuon(rank: int, world: int, opts: RunOptions) -> dict:
-    """The seed's custom-loop recipe (on the CPU, or one GPU per rank); records what the tests compare."""
+    """docs/guides/custom-loop.md's loop (on the CPU, or one GPU per rank); records what the tests compare."""
     torch.manual_seed(0)
     mesh = init_device_mesh(DEVICE_TYPE, (world,))
     if opts.meta_init:
@@ -300,7 +300,7 @@ def _train_loop(rank, world, opts, model, opt, plan, P, gathered) -> dict:
 
 
 def _accumulate(model, tok, tgt, accum, micro_counts) -> torch.Tensor:
-    """The seed's accumulation loop: micro-batches 1..accum-1 under no_sync, the last outside."""
+    """docs/guides/gradient-accumulation.md's loop: micro-batches 1..accum-1 under no_sync, the last outside."""
     from contextlib import nullcontext
 
     m = tok.shape[0] // accum

@@ -3,6 +3,7 @@ ranks as a 2 x 1 HSDP grid (no timing assertions: speed is reported as ratios by
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -45,6 +46,10 @@ def test_tiny_preset_one_process(tmp_path):
     assert order[:5] == list(bench.VARIANTS) and order[5:] == list(bench.VARIANTS[1:]) + [bench.VARIANTS[0]], order
     _check(tmp_path, 1)
     assert json.loads((tmp_path / "results.json").read_text())["rounds"] == 2
+    # it names what it wrote, and says that a 1-rank CPU run is no speed measurement
+    assert f"wrote {tmp_path / 'results.json'} and {tmp_path / 'chart.png'}" in proc.stdout, proc.stdout
+    assert "note: a smoke run, whose ratios say nothing about speed" in proc.stdout, proc.stdout
+    assert "on 1 rank nothing is sharded" in proc.stdout.replace("\n      ", " "), proc.stdout
 
 
 def test_tiny_preset_two_ranks_under_torchrun(tmp_path):
@@ -91,10 +96,33 @@ def test_help_is_plain_text_and_names_every_variant_and_preset(capsys):
     assert "``" not in text and ":mod:" not in text and ":class:" not in text, text
 
 
+def test_help_gives_every_default():
+    """An option with a default says what it is, in bench, plan and demo alike."""
+    from dmuon.tools import demo, plan
+
+    silent = [(parser.prog, a.option_strings[0], a.default)
+              for parser in (bench._parse_args([])[0], plan._parser(), demo._parser()) for a in parser._actions
+              if a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and "default" not in a.help]
+    assert not silent, silent
+
+
+def test_chart_shows_each_ratio_and_its_quartiles(tmp_path, monkeypatch):
+    """chart.png carries what the table has: per variant its ratio and quartiles over the rounds."""
+    from matplotlib.figure import Figure
+
+    labels = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: labels.extend(
+        t.get_text() for ax in fig.axes for t in ax.texts))
+    results = [bench.Timing("fsdp_adamw", 1.0, 2.0, 1.0, 4.0, None), bench.Timing("dmuon_z3", 1.0, 2.0, 2.0, 5.0, None)]
+    spread = {"fsdp_adamw": (1.0, 1.0, 1.0), "dmuon_z3": (1.1, 1.25, 1.4)}
+    bench._chart(results, spread, "fsdp_adamw", 3, str(tmp_path / "chart.png"), "title")
+    assert labels == ["1.00x\n[1.00-1.00]", "1.25x\n[1.10-1.40]"], labels
+
+
 def test_presets_are_named_as_in_plan_and_short_names_still_work():
     from dmuon.tools.presets import PRESETS
 
-    assert set(bench.BENCH_PRESETS) - {"tiny"} == set(PRESETS)  # one naming for plan and bench
+    assert set(bench.BENCH_PRESETS) == set(PRESETS)  # one naming for plan and bench
     assert bench._parse_args(["--preset", "8b"])[1].preset == "llama3-8b"
     assert bench.BENCH_PRESETS["1b"] == bench.BENCH_PRESETS["llama3.2-1b"]  # scripts that index it by the old key
     with pytest.raises(SystemExit):

@@ -63,7 +63,7 @@ def _eval_loss(model) -> float:
 
 
 def uninterrupted_job(rank: int, world: int, ckpt_dir: str | None) -> dict:
-    """10 steps; with ckpt_dir, also save at step 5 (torch.save on rank 0, as the seed) and with DCP."""
+    """10 steps; with ckpt_dir, also save at step 5 (torch.save on rank 0, as docs/guides/checkpoints.md does) and with DCP."""
     model, opt, sched = _setup(world)
     losses = []
     for step in range(STEPS):

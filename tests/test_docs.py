@@ -15,6 +15,11 @@ both derived from dmuon's source with ``ast`` (nothing is imported, so they cost
 
 A third check keeps the API reference complete: every name of ``dmuon.__all__`` has its entry there.
 The build itself takes a few seconds: griffe reads the docstrings statically, without importing torch.
+
+And the words and code a reader meets: no private names for our own docs, no pointer to a page that does
+not exist, and every python block of README.md and docs/ either runs (``test_docs_snippets_run_on_two_cpu_ranks``:
+one torchrun job of 2 gloo ranks, about 20 s; the markers are explained above ``PAGES``), is an excerpt
+of one that runs, or says why not.
 """
 
 from __future__ import annotations
@@ -218,3 +223,190 @@ def test_api_reference_lists_every_public_name() -> None:
     modules = {p.stem for p in REFERENCE.glob("*.md")}
     missing = [n for n in _all_of(SOURCE / "__init__.py") if n not in documented and n not in modules]
     assert not missing, f"docs/reference/dmuon.md has no `::: dmuon.NAME` entry for {missing}"
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Words a reader can follow                                                                              #
+# --------------------------------------------------------------------------------------------------- #
+#: What a reader sees: the README, the docs pages, the examples and dmuon's own docstrings and messages.
+USER_FACING = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").glob("*.py")),
+               *sorted(SOURCE.rglob("*.py"))]
+#: Names for our docs that only the people who wrote them knew ("the seed" was the design brief the README
+#: grew from), and recipe headings quoted from it that exist on no page.
+PRIVATE_WORDS = re.compile(r"\bthe seed\b|\bseed's\b|\bseed recipes?\b|\"[A-Z][\w ]+\"( integration)? recipes?", re.I)
+
+
+def test_user_facing_text_names_pages_that_exist() -> None:
+    """No private names for our docs, and every ``docs/....md`` a docstring or page points to exists."""
+    private, missing = [], []
+    for path in USER_FACING:
+        rel = path.relative_to(ROOT).as_posix()
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if PRIVATE_WORDS.search(line):
+                private.append(f"{rel}:{i}: {line.strip()}")
+            for page in re.findall(r"\bdocs/[\w./-]+?\.md\b", line):
+                if not (ROOT / page).is_file():
+                    missing.append(f"{rel}:{i}: {page}")
+    assert not private, "name our own docs pages instead:\n" + "\n".join(private)
+    assert not missing, "these point to docs pages that do not exist:\n" + "\n".join(missing)
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Snippets that run                                                                                     #
+# --------------------------------------------------------------------------------------------------- #
+# Every ```python block of README.md and docs/ carries a marker on the line before its fence:
+#
+#   <!-- run: program[; stand-ins: A, B] -->     a whole script; the stand-ins are names the page leaves to
+#                                                the reader (tests/_docs_stand_ins.py defines them)
+#   <!-- run: custom-loop, WHERE -->             lines of the custom-loop guide's program, which it runs
+#                                                with them: WHERE is one of PLACES below
+#   <!-- excerpt: PAGE -->                       every code line is a line of PAGE's runnable snippets
+#   <!-- not run: REASON -->                     an outline, not meant to run as is
+#   <!-- runnable: KIND -->                      README.md's own blocks (tests/test_readme.py runs them)
+#
+# All "run" snippets run in one torchrun job of 2 CPU ranks (tests/_docs_snippets.py).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CONTEXT_PAGE = ROOT / "docs" / "guides" / "custom-loop.md"
+PLACES = ("replacing its dmuon lines", "replacing its dmuon lines and loop", "replacing its optimizer line",
+          "replacing its loop", "after its loop")
+_BLOCK = re.compile(r"^(?P<marker>[^\n]*)\n```python\n(?P<code>.*?)^```", re.M | re.S)
+_MARKER = re.compile(r"<!-- (?P<kind>run|excerpt|not run|runnable): (?P<arg>.+?) -->")
+
+
+@dataclass(frozen=True)
+class Snippet:
+    page: Path
+    line: int  # of the fence
+    kind: str
+    arg: str
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT).as_posix()}:{self.line}"
+
+
+def _snippets() -> list[Snippet]:
+    out = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in _BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start("code"))
+            marker = _MARKER.fullmatch(m["marker"].strip())
+            if not marker:
+                pytest.fail(f"{page.relative_to(ROOT)}:{line}: a python block without a marker on the line before "
+                            f"its fence (<!-- run: ... -->, <!-- excerpt: PAGE -->, <!-- not run: REASON -->)")
+            out.append(Snippet(page, line, marker["kind"], marker["arg"], m["code"]))
+    return out
+
+
+def _context() -> tuple[list[str], tuple[str, ...]]:
+    """The custom-loop guide's program as lines, and its stand-ins."""
+    (program,) = [s for s in _snippets() if s.page == CONTEXT_PAGE and s.kind == "run"]
+    return program.code.splitlines(), _stand_ins(program.arg)
+
+
+def _stand_ins(arg: str) -> tuple[str, ...]:
+    _, _, names = arg.partition("; stand-ins: ")
+    return tuple(n.strip() for n in names.split(",") if n.strip())
+
+
+def _script(s: Snippet) -> tuple[str, tuple[str, ...]]:
+    """The whole script a "run" snippet runs as, and its stand-ins."""
+    if s.arg.startswith("program"):
+        return s.code, _stand_ins(s.arg)
+    place = s.arg.removeprefix("custom-loop, ")
+    assert place in PLACES, f"{s.where}: unknown place {s.arg!r}; one of {PLACES}"
+    lines, stand_ins = _context()
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    ded, opt, loop = first("dmuon.dedicate_params"), first("optimizer = dmuon.Muon"), first("for batch in dataloader")
+    frag = s.code.splitlines()
+    parts = {"replacing its dmuon lines": lines[:ded] + frag + [""] + lines[loop:],
+             "replacing its dmuon lines and loop": lines[:ded] + frag,
+             "replacing its optimizer line": lines[:opt] + frag + [""] + lines[loop:],
+             "replacing its loop": lines[:loop] + frag,
+             "after its loop": lines + [""] + frag}[place]
+    return "\n".join(parts) + "\n", stand_ins
+
+
+def _code_lines(code: str) -> list[str]:
+    """Statements of a block as comparable lines: comments and blank lines dropped, spaces trimmed."""
+    out = []
+    for line in code.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def test_every_python_block_is_marked_and_every_excerpt_is_runnable_code() -> None:
+    snippets = _snippets()
+    assert len([s for s in snippets if s.kind == "run"]) >= 15, "fewer runnable snippets than expected"
+    runnable: dict[Path, set[str]] = {}
+    for s in snippets:
+        if s.kind == "run":
+            runnable.setdefault(s.page, set()).update(_code_lines(_script(s)[0]))
+    for s in snippets:
+        if s.kind == "excerpt":
+            source = ROOT / s.arg
+            assert source in runnable, f"{s.where}: {s.arg} has no runnable snippet to excerpt"
+            stray = [line for line in _code_lines(s.code) if line not in runnable[source]]
+            assert not stray, f"{s.where}: lines that are not in {s.arg}'s runnable snippets: {stray}"
+        else:
+            assert s.kind in ("run", "not run", "runnable"), (s.where, s.kind)
+
+
+def test_docs_snippets_run_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """Each "run" snippet as its whole script, in one torchrun job of 2 gloo ranks (about 40 s here)."""
+    import json
+
+    from tests._asserts import child_env
+
+    for module in ("transformers", "accelerate"):
+        try:
+            __import__(module)
+        except ImportError:
+            pytest.fail(f"{module} is missing: the HF guides' snippets need it (pip install -e '.[test]')")
+    spec = []
+    for s in _snippets():
+        if s.kind == "run":
+            code, stand_ins = _script(s)
+            spec.append({"id": s.where, "code": code, "stand_ins": list(stand_ins)})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "_docs_snippets.py"), str(tmp_path / "spec.json"), str(tmp_path)],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    failed = {sid: r["outcome"] for rank in ranks for sid, r in rank.items() if r["outcome"] != "ok"}
+    assert not failed, "docs snippets that do not run as written:\n" + "\n".join(
+        f"--- {sid} (as the script below)\n{tb}\n{_numbered(next(x['code'] for x in spec if x['id'] == sid))}"
+        for sid, tb in failed.items())
+    assert len(ranks) == 2 and all(len(r) == len(spec) for r in ranks), proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def _numbered(code: str) -> str:
+    return "\n".join(f"{i:4} {line}" for i, line in enumerate(code.splitlines(), start=1))
+
+
+def test_the_trainer_guide_counts_the_lines_it_marks() -> None:
+    """docs/guides/hf-trainer.md says how many lines of a Trainer script change and marks each `# dmuon`."""
+    page = ROOT / "docs" / "guides" / "hf-trainer.md"
+    (program,) = [s for s in _snippets() if s.page == page and s.kind == "run"]
+    marked = sum("# dmuon" in line for line in program.code.splitlines())
+    stated = re.search(r"Against a plain `Trainer` script, (\d+) lines change", page.read_text(encoding="utf-8"))
+    assert stated and int(stated.group(1)) == marked, (stated and stated.group(0), marked)
+
+
+def test_the_docs_requirements_are_the_docs_extra() -> None:
+    """requirements-docs.txt (the docs alone, no torch) and the `docs` / `test` extras pin the same packages."""
+    wanted = sorted(line.strip() for line in (ROOT / "requirements-docs.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extras = {m["name"]: re.findall(r'"([^"]+)"', m["deps"])  # a list ends with the "]" that ends its line
+              for m in re.finditer(r"^(?P<name>\w+) = \[(?P<deps>.*?)\]$", pyproject, re.M | re.S)}
+    assert sorted(extras["docs"]) == wanted, (extras["docs"], wanted)
+    assert set(wanted) <= set(extras["test"]), extras["test"]

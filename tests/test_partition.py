@@ -371,7 +371,7 @@ def test_param_spec_normalises_shape_and_checks_names() -> None:
 
 
 def test_presets_have_expected_names() -> None:
-    assert set(PRESETS) == {"125m", "llama3.2-1b", "llama3.2-3b", "llama3-8b"}
+    assert set(PRESETS) == {"tiny", "125m", "llama3.2-1b", "llama3.2-3b", "llama3-8b"}
     with pytest.raises(TypeError):
         PRESETS["x"] = PRESETS["125m"]  # type: ignore[index]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dmuon.partition import _count, assign_owners
 from dmuon.tools.plan import _parser, make_plan, shape_from_hf_config
@@ -122,7 +123,45 @@ def test_summary_counts_in_human_units(capsys):
     out = capsys.readouterr().out
     # 6,979,321,856 dedicated elements = 13 GiB in bf16; 872M per rank at 8 ranks
     assert "224 projection matrices, 6.98G elements (13.00 GiB in bf16), 8 ranks" in out, out
-    assert "elements 872M..872M" in out and re.search(r"^\s+0\s+28\s+872M\s", out, flags=re.MULTILINE), out
-    assert "Z3 20.9G elements (39.00 GiB), Z2 14G (26.00 GiB)" in out, out
+    assert "elements 872M..872M" in out and re.search(r"^0-7\s+8\s+28\s+872M\s", out, flags=re.MULTILINE), out
+    # three significant digits everywhere, trailing zeros kept: 14.0G next to 20.9G, not 14G
+    assert "Z3 20.9G elements (39.00 GiB), Z2 14.0G (26.00 GiB)" in out, out
     assert not re.search(r"\d{1,3}(,\d{3}){2,}", out), out  # no raw 6,979,321,856 left
-    assert [_count(n) for n in (999, 1000, 12_600, 999_999, 6_979_321_856)] == ["999", "1K", "12.6K", "1M", "6.98G"]
+    assert [_count(n) for n in (999, 1000, 12_600, 999_999, 6_979_321_856, 13_958_643_712)] == [
+        "999", "1.00K", "12.6K", "1.00M", "6.98G", "14.0G"]
+    assert "over 1 rank," in assign_owners(projection_specs("tiny"), 1).summary_line()  # not "1 ranks"
+    assert "1 rank owns none" in assign_owners(projection_specs("tiny"), 15).summary_line()
+
+
+def test_a_512_rank_plan_fits_a_screen(capsys):
+    """One row per distinct line, with its ranks: llama3-8b at 512 ranks is 4 rows, not 512."""
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "512"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) + len(err.splitlines()) <= 40, out + err
+    rows = re.findall(r"^([\d,.-]+)\s+(\d+)\s+(\d+)\s+\S+\s+[\d.]+%", out, flags=re.MULTILINE)
+    assert sum(int(n) for _, n, _ in rows) == 512 and len(rows) <= 8, out
+    assert rows[0][0] == "0-95" and rows[-1][:2] == ("224-511", "288"), rows
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "512", "--per-rank"]) == 0
+    assert len(re.findall(r"^\d+\s+1\s+\d", capsys.readouterr().out, flags=re.MULTILINE)) == 512
+
+
+def test_tiny_is_a_preset_of_both_tools_with_the_bench_models_shapes(capsys):
+    """The README lists ``tiny`` for plan and bench: the shapes plan assumes are the bench model's."""
+    from dmuon.tools.bench import _model
+
+    assert plan_main(["--preset", "tiny", "--world-size", "2"]) == 0
+    assert "tiny: 14 projection matrices" in capsys.readouterr().out
+    model = _model("tiny", torch.device("cpu"), torch.float32)
+    built = sorted(tuple(p.shape) for n, p in model.named_parameters() if p.ndim == 2 and "proj" in n)
+    assert built == sorted(s.shape for s in projection_specs("tiny"))
+
+
+def test_piped_into_head_ends_quietly():
+    """``python -m dmuon.plan ... | head``: the reader goes away; no BrokenPipeError traceback, exit code 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "dmuon.plan", "--preset", "llama3-8b", "--world-size", "4096",
+                             "--per-rank"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=child_env())
+    assert proc.stdout.readline().startswith(b"llama3-8b")  # 4096 rows: far more than a pipe buffer holds
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -55,6 +55,25 @@ def test_every_marked_kind_is_there_once() -> None:
     assert "git clone" in demo and "python -m dmuon.demo" in demo and "torch==2.13.0" in demo, demo
 
 
+def test_the_clone_does_not_shadow_the_package() -> None:
+    """A clone folder named ``dmuon`` beside a script is imported as an empty namespace package in place of
+    the installed dmuon (``module 'dmuon' has no attribute 'dedicate_params'``): the README clones into
+    another name. (``.ci/bare_install.py`` runs the script from beside the clone to prove it.)"""
+    demo = runnable_blocks()["demo"][1]
+    clone = re.search(r'git clone "\$DMUON_REPO" (\S+) && cd (\S+)', demo)
+    assert clone and clone.group(1) == clone.group(2), demo
+    assert clone.group(1) != "dmuon", demo
+
+
+def test_ci_installs_the_bare_package_and_runs_the_readme_script() -> None:
+    """CI checks README's path on a clean venv with no extras, so an undeclared dependency fails CI (numpy,
+    which torch's object collectives need, was one); the test extras would hide it."""
+    ci = _commands((ROOT / ".ci" / "run").read_text())
+    assert "python .ci/bare_install.py" in ci, ci
+    script = (ROOT / ".ci" / "bare_install.py").read_text()
+    assert '"-m", "venv"' in script and "system-site-packages" not in script.replace("(no system site-packages)", "")
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = _commands(runnable_blocks()["tests"][1])
     assert readme == ['python -m pip install torch==2.13.0 -e .[test,torchtitan]', "python -m pytest tests"], readme

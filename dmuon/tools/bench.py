@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -61,11 +62,9 @@ class _Presets(dict):
         raise KeyError(key)
 
 
-#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab): a CPU smoke shape, then dmuon.tools.presets'
-BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets({
-    "tiny": (128, 256, 2, 4, 2, 256),
-    **{name: (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.vocab) for name, s in PRESETS.items()},
-})
+#: preset -> (dim, intermediate, layers, heads, kv_heads, vocab): dmuon.tools.presets' shapes (``tiny`` first)
+BENCH_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = _Presets(
+    {name: (s.hidden, s.intermediate, s.layers, s.heads, s.kv_heads, s.vocab) for name, s in PRESETS.items()})
 VARIANTS = ("fsdp_adamw", "naive_fsdp_muon", "torch_muon", "dmuon_z3", "dmuon_z2")
 #: one line per variant, for --help
 _VARIANT_HELP = {
@@ -334,24 +333,34 @@ def _ns_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"ns_backend": args.ns_backend, "ns_coefficients": coefficients, "master_dtype": master}
 
 
-def _chart(results: list[Timing], path: str, title: str) -> None:
+def _chart(results: list[Timing], spread: dict[str, tuple[float, float, float]], base: str, rounds: int,
+           path: str, title: str) -> None:
+    """Stacked forward / backward / optimizer medians per variant, each bar labelled with its step-time ratio
+    to ``base`` and that ratio's quartiles over the rounds (the table's ``ratio [q1-q3]``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r.variant for r in results]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     bottom = [0.0] * len(results)
     for label, key in (("forward", "forward_ms"), ("backward", "backward_ms"), ("optimizer", "optimizer_ms")):
         vals = [getattr(r, key) for r in results]
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("ms per step (median)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    for i, r in enumerate(results):
+        q1, med, q3 = spread[r.variant]
+        ax.annotate(f"{med:.2f}x\n[{q1:.2f}-{q3:.2f}]", (i, bottom[i]), xytext=(0, 3), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(bottom) * 1.25)
+    ax.set_ylabel(f"ms per step (median of {rounds} rounds)")
+    ax.set_title(f"{title}\nlabels: step time / {base}'s, median [quartiles] over the rounds", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -379,7 +388,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds; each builds and times every variant once, in a rotated order, so noise that "
                              "comes and goes over seconds spreads over all of them. Reported: medians over the "
-                             "rounds, and each ratio's quartiles over the rounds (vs fsdp_adamw of the same round)")
+                             "rounds, and each ratio's quartiles over the rounds (vs fsdp_adamw of the same round); default 3")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps before the timed ones, per variant and round (default 2)")
     parser.add_argument("--e2e-steps", type=int, default=None,
@@ -390,27 +399,29 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
                              "variants (default 1: one 1-D mesh over all W ranks)")
     parser.add_argument("--replicate-async", choices=["on", "off"], default="on",
                         help="dmuon variants with --replicate > 1: publish updated weights over the replicate "
-                             "group without waiting in step() (Muon(replicate_async=...))")
+                             "group without waiting in step() (Muon(replicate_async=...); default on)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--simulate-world-size", type=int, default=0, metavar="W",
                         help="instead of training: time the busiest owner's Muon step of a W-rank job on this one "
-                             "device against torch's NS on all matrices / W (needs a Llama preset; default 0: off)")
+                             "device against torch's NS on all matrices / W (default 0: off)")
     parser.add_argument("--master-dtype", choices=["none", "fp32"], default="none",
-                        help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...))")
+                        help="dmuon variants: fp32 master copies of the owned matrices (Muon(master_dtype=...); default "
+                             "none)")
     parser.add_argument("--dmuon-wrap", choices=["layers", "root", "none"], default="layers",
                         help="dmuon variants: fully_shard each layer and the root (the recipe), only the root "
                              "(after dedication a layer keeps only its norms, too small to be worth an FSDP unit), "
-                             "or nothing (other params replicated, gradients averaged by dmuon like DDP)")
+                             "or nothing (other params replicated, gradients averaged by dmuon like DDP); default layers")
     parser.add_argument("--dmuon-norms", choices=["fsdp", "adamw_owner", "adamw_replicated"], default="fsdp",
                         help="dmuon variants: where the layers' norms go (dedicate_params(route=...)): FSDP2 (the "
                              "recipe), their owners (AdamW there), or replicated; with either of the last two a "
-                             "layer holds no FSDP2 params, so pair it with --dmuon-wrap root")
+                             "layer holds no FSDP2 params, so pair it with --dmuon-wrap root; default fsdp")
     parser.add_argument("--ns-backend", choices=["direct", "direct_fp16", "gram", "auto"], default="auto",
                         help="dmuon's Newton-Schulz form (default: auto, dmuon.Muon's; direct: torch's)")
     parser.add_argument("--ns-coefficients", choices=["keller_jordan", "polar_express"], default="keller_jordan",
-                        help="dmuon's coefficient schedule (torch.optim.Muon always uses keller_jordan)")
+                        help="dmuon's coefficient schedule (default keller_jordan, which torch.optim.Muon always uses)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="write results.json and chart.png (rank 0) to DIR (default: print only)")
+                        help="write DIR/results.json (everything printed, and the settings) and DIR/chart.png (the phase "
+                             "times, with each ratio and its quartiles) on rank 0 (default: print only)")
     return parser, parser.parse_args(argv)
 
 
@@ -445,8 +456,6 @@ def main(argv: list[str] | None = None) -> int:
                            "replicate": args.replicate, "replicate_async": args.replicate_async,
                            "e2e_steps": args.e2e_steps}
     if args.simulate_world_size:
-        if args.preset == "tiny":
-            parser.error(f"--simulate-world-size needs a Llama preset ({', '.join(p for p in BENCH_PRESETS if p != 'tiny')})")
         sim = _simulate(args, device)
         out["simulate"] = sim
         print(f"{args.preset}, simulated world {sim['world_size']}: busiest owner (rank {sim['busiest_rank']}, "
@@ -457,8 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         _run_variants(args, variants, device, dtype, out, is_main)
     if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
+        path = os.path.join(args.out, "results.json")
+        with open(path, "w") as f:
             json.dump(out, f, indent=2)
+        chart = os.path.join(args.out, "chart.png")
+        print(f"wrote {path}" + (f" and {chart}" if os.path.exists(chart) and not args.simulate_world_size else ""),
+              flush=True)
     return 0
 
 
@@ -520,19 +533,37 @@ def _run_variants(args: argparse.Namespace, variants: list[str], device: torch.d
         q1, med, q3 = spread[r.variant]
         _say(f"{r.variant:<16} {r.forward_ms:8.2f} {r.backward_ms:8.2f} {r.optimizer_ms:8.2f} {r.step_ms:8.2f} "
              f"{med:6.2f} [{q1:5.2f}-{q3:5.2f}] {r.e2e_ms:8.2f} {r.e2e_ms / base.e2e_ms:6.2f} {peak}")
+    for line in smoke_run_note(device.type, out["world_size"], args.preset):
+        _say(line)
     out["rounds"] = len(per_round)
     out["results"] = [dict(asdict(r), step_ms=r.step_ms, ratio=spread[r.variant][1], ratio_q1=spread[r.variant][0],
                            ratio_q3=spread[r.variant][2], e2e_ratio=r.e2e_ms / base.e2e_ms) for r in results]
     if args.out and is_main:
         os.makedirs(args.out, exist_ok=True)
         try:
-            _chart(results, os.path.join(args.out, "chart.png"),
+            _chart(results, spread, base.variant, len(per_round), os.path.join(args.out, "chart.png"),
                    f"{args.preset} on {out['world_size']} x {out['device']}{hsdp}: {args.batch} x {args.seq} = "
                    f"{args.batch * args.seq} tokens per rank, {dtype}".replace("torch.", ""))
         except ImportError:
-            _say("matplotlib not installed: no chart.png")
+            _say("matplotlib not installed: no chart.png (pip install matplotlib)")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def smoke_run_note(device_type: str, world: int, preset: str) -> list[str]:
+    """What a run on the CPU, on one rank or on the tiny shape cannot say (empty for a run that can)."""
+    why = []
+    if device_type == "cpu" or preset == "tiny":
+        why.append("a tiny model or a CPU run times Python, hook and launch overhead, not the matrix work dmuon "
+                   "divides")
+    if world == 1:
+        why.append("on 1 rank nothing is sharded or sent: dmuon pays its bookkeeping without the Newton-Schulz "
+                   "work it spreads over ranks")
+    if not why:
+        return []
+    text = ("note: a smoke run, whose ratios say nothing about speed: " + "; ".join(why) + ". GPU measurements, "
+            "with the command behind each: docs/benchmarks.md")
+    return textwrap.wrap(text, width=100, subsequent_indent="      ")
 
 
 if __name__ == "__main__":

@@ -100,10 +100,14 @@ def _say(rank: int, *parts: Any, end: str = "\n") -> None:
         print(*parts, end=end, flush=True)
 
 
-def _progress_line(step: int, total: int, losses: tuple[float, float], rate: float, width: int = 24) -> str:
+def _progress_line(step: int, total: int, losses: tuple[float, float], rate: float, *, terminal: bool,
+                   width: int = 24) -> str:
+    """On a terminal, a bar redrawn in place (starts with ``\\r``, no newline); in a log, a plain line."""
+    text = f"{step:>4}/{total}  dmuon {losses[0]:.4f}  adamw {losses[1]:.4f}  {rate:5.2f} it/s"
+    if not terminal:
+        return f"  step {text}\n"
     filled = int(width * step / total)
-    bar = "#" * filled + "." * (width - filled)
-    return f"\r[{bar}] {step:>4}/{total}  dmuon {losses[0]:.4f}  adamw {losses[1]:.4f}  {rate:5.2f} it/s"
+    return f"\r[{'#' * filled}{'.' * (width - filled)}] {text}" + ("\n" if step == total else "")
 
 
 def _build_model(s: DemoSettings, device: torch.device) -> torch.nn.Module:
@@ -186,11 +190,11 @@ def _train_both(rank: int, s: DemoSettings, batches: list[tuple[torch.Tensor, to
         la, lb = logged.tolist()
         curve_a.append(la)
         curve_b.append(lb)
-        # Redraw every step on a terminal; in a captured log every 5th step is plenty.
+        # Redraw every step on a terminal; in a captured log, a line every 5th step is plenty.
         if interactive or (step + 1) % 5 == 0 or step + 1 == s.steps:
             rate = (step + 1) / max(time.perf_counter() - t0, 1e-9)
-            _say(rank, _progress_line(step + 1, s.steps, (la, lb), rate), end="")
-    _say(rank, f"\n  {s.steps} steps of both runs in {time.perf_counter() - t0:.1f} s")
+            _say(rank, _progress_line(step + 1, s.steps, (la, lb), rate, terminal=interactive), end="")
+    _say(rank, f"  {s.steps} steps of both runs in {time.perf_counter() - t0:.1f} s")
     return curve_a, curve_b, comm
 
 
@@ -339,7 +343,7 @@ def _plot(result: dict[str, Any], out_dir: str) -> str | None:
     return path
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dmuon.demo",
         description="Train a tiny Llama with dmuon and with FSDP2+AdamW on local ranks and compare the losses.",
@@ -350,14 +354,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="./dmuon_demo_out", metavar="DIR",
                         help="directory for loss.png (default ./dmuon_demo_out)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA with NCCL if available, else CPU with gloo")
+                        help="auto: CUDA with NCCL if available, else CPU with gloo (default auto)")
     parser.add_argument("--zero", type=int, choices=(2, 3), default=3,
                         help="3: free gathered weights after forward (default); 2: keep them until backward")
     parser.add_argument("--no-plot", action="store_true", help="skip loss.png (no matplotlib needed)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="init and data seed (default 0)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="seconds before hung ranks are killed (default 300)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

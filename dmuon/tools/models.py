@@ -41,7 +41,8 @@ class CausalLMOutput:
 
 
 def projection_predicate(name: str, param: nn.Parameter) -> bool:
-    """Select the attention and MLP projection matrices (the seed recipes' ``"proj" in name``)."""
+    """Select the attention and MLP projection matrices (the ``"proj" in name`` of README.md's script and
+    the guides)."""
     return param.ndim == 2 and "proj" in name
 
 

@@ -7,13 +7,15 @@ Runs the same planner ``dedicate_params`` runs (same cost model, same owners), o
 matrices of a Llama-shaped model, and reports per rank: owned matrices, elements, NS-cost share, the
 memory dmuon holds for dedicated params (owned weights + Muon momentum, plus the transient full copies
 under Z3 / Z2), and the elements dmuon's collectives move per step (payload per rank, as
-``dmuon.diagnostics`` counts them).
+``dmuon.diagnostics`` counts them). The table prints one row per distinct line, with the ranks that share
+it, so a 512-rank plan fits a screen (``--per-rank``: one row per rank; ``--json``: everything).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from ..partition import _count, assign_owners
 from .presets import PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
-__all__ = ["make_plan", "idle_owner_warning", "main"]
+__all__ = ["make_plan", "idle_owner_warning", "main", "cli"]
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -107,6 +109,29 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f}"
 
 
+def _rank_ranges(ranks: list[int], width: int) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``; cut to ``width`` characters with ``...`` if longer."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(text) <= width else text[: width - 3].rsplit(",", 1)[0] + ",..."
+
+
+def _table_rows(info: dict[str, Any], per_rank: bool) -> list[tuple[str, int, str]]:
+    """``(ranks, how many, the row's columns)``: one per rank, or one per distinct row (ranks in order of the
+    first rank of each)."""
+    groups: dict[int | str, tuple[list[int], str]] = {}
+    for r in info["per_rank"]:
+        cols = (f"{r['params']:>6} {_count(r['numel']):>9} {r['ns_cost_share']:>8.2%} {_gib(r['persistent_bytes']):>9} "
+                f"{_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9}")
+        groups.setdefault(r["rank"] if per_rank else cols, ([], cols))[0].append(r["rank"])
+    return [(_rank_ranges(ranks, 17), len(ranks), cols) for ranks, cols in groups.values()]
+
+
 def idle_owner_warning(info: dict[str, Any]) -> str | None:
     """What it costs when ranks outnumber the dedicated matrices (``None`` when they do not): some ranks own
     nothing, and the busiest owner's Newton–Schulz work has a floor that more ranks cannot lower."""
@@ -146,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
                              "(default bf16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--per-param", action="store_true", help="also list every matrix with its owner rank")
+    parser.add_argument("--per-rank", action="store_true",
+                        help="one table row per rank (default: one row per distinct row, with its ranks)")
     return parser
 
 
@@ -171,17 +198,18 @@ def main(argv: list[str] | None = None) -> int:
           f"elements ({_gib(info['dedicated_elements'] * _BYTES[args.dtype]).strip()} GiB in {args.dtype}), "
           f"{args.world_size} ranks{hsdp}")
     print(info["summary"])
-    print(f"\n{'rank':>5} {'params':>6} {'elements':>9} {'NS share':>8} {'owned GiB':>9} {'Z3 peak+':>9} {'Z2 peak+':>9}")
-    for r in info["per_rank"]:
-        print(f"{r['rank']:>5} {r['params']:>6} {_count(r['numel']):>9} {r['ns_cost_share']:>8.2%} "
-              f"{_gib(r['persistent_bytes']):>9} {_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9}")
+    print(f"\n{'ranks':<17} {'count':>5} {'params':>6} {'elements':>9} {'NS share':>8} {'owned GiB':>9} "
+          f"{'Z3 peak+':>9} {'Z2 peak+':>9}")
+    for ranks, n, cols in _table_rows(info, args.per_rank):
+        print(f"{ranks:<17} {n:>5} {cols}")
     m = info["elements_moved_per_rank_per_step"]
     nbytes = _BYTES[args.dtype]
     z3, z2 = sum(m["z3"].values()), sum(m["z2"].values())
     print(f"\nmoved per rank per step (payload): Z3 {_count(z3)} elements ({_gib(z3 * nbytes).strip()} GiB), "
-          f"Z2 {_count(z2)} ({_gib(z2 * nbytes).strip()} GiB): forward broadcast P, backward re-broadcast P under "
-          f"Z3 only, reduce P; P = {_count(info['dedicated_elements'])}")
-    print("owned GiB: weights + Muon momentum (+ HSDP column copies); peak+: transient full copies on top")
+          f"Z2 {_count(z2)} ({_gib(z2 * nbytes).strip()} GiB)\n  forward broadcast P, backward re-broadcast P "
+          f"(Z3 only), reduce P; P = {_count(info['dedicated_elements'])}")
+    print("columns are per rank of the row; owned GiB: weights + Muon momentum (+ HSDP column copies);\n"
+          "peak+: transient full copies on top")
     if args.per_param:
         print(f"\n{'owner':>5} {'shape':>14} {'NS flops/iter':>14}  matrix")
         for p in sorted(info["per_param"], key=lambda p: (p["owner"], p["fqn"])):
@@ -189,5 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` as a command: output piped into ``head`` that stops reading ends the run quietly."""
+    try:
+        return main(argv)
+    except BrokenPipeError:
+        # The reader is gone; point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -48,6 +48,8 @@ PRESETS: Mapping[str, LlamaShape] = MappingProxyType(
     {
         p.name: p
         for p in (
+            # the bench's CPU smoke shape (dmuon.tools.models.TinyLlama: dim 128, 2 layers)
+            LlamaShape("tiny", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=256),
             LlamaShape("125m", hidden=768, intermediate=3072, layers=12, heads=12, kv_heads=12, head_dim=64, vocab=32000),
             LlamaShape("llama3.2-1b", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256),
             LlamaShape("llama3.2-3b", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256),

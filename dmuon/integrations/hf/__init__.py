@@ -5,7 +5,7 @@ changes what ``transformers.Trainer`` and ``accelerate.Accelerator`` do to a *dm
 that went through :func:`dmuon.dedicate_params`, possibly wrapped by ``torch.compile``); every other
 model takes the unchanged code path. Needs transformers 5.x and accelerate 1.x (checked: 5.24, 1.15).
 
-Trainer, the seed recipe::
+Trainer (docs/guides/hf-trainer.md has the whole script)::
 
     import dmuon
     from dmuon.integrations.hf import DMuonTrainer      # or plain Trainer once this package is imported
