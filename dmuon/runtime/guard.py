@@ -14,6 +14,19 @@ good: a plain ``nn.Parameter`` takes torch's fast path in every op, so the modul
 on held weights pay nothing, and owners never carry the subclass at all. The parameter objects stay the
 same, so autograd's saved views, hooks and optimizer references are untouched.
 
+[Note: guarded parameters]
+A rank that *holds* a dedicated parameter (its owner; under HSDP every rank of the owner's shard column)
+has its values, but while a publish is in flight into them reading them is wrong, and there its class is
+:class:`GuardedParameter` (:class:`GuardedDTensor` for tensor parallelism). Under HSDP, after ``step()``
+the owner sends the new tensor to the holders of the other replicate rows asynchronously; until it lands
+a holder's copy is partly old. The first value op on a guarded param asks its boundary group to wait for
+that bucket's publish (``Work.wait()``: a local wait, on CUDA a stream wait, never a collective), which
+swaps the bucket's params back to plain, then runs. A read after ``step()`` sees the step, as under
+FSDP2; the owner's own params are guarded too, since an in-place write there would race with the send.
+
+Metadata and ``repr`` pass as for unheld parameters; nothing on the forward/backward fast path ever
+meets the class, which is plain wherever the module legitimately computes.
+
 [Note: module guards]
 Three module calls would otherwise go wrong on some ranks only, so they are refused on every rank alike
 (the decision depends only on the model's structure, which every rank shares):
@@ -29,21 +42,28 @@ Three module calls would otherwise go wrong on some ranks only, so they are refu
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import MethodType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["NotHeldError", "UnheldParameter", "UnheldDTensor", "internal", "set_held", "describe", "guard_modules"]
+from .errors import raise_internal
+
+__all__ = ["NotHeldError", "Access", "BoundaryAccess", "UnheldParameter", "UnheldDTensor", "GuardedParameter",
+           "GuardedDTensor", "internal", "set_access", "describe", "guard_modules"]
 
 #: Attribute with ``(fqn, owner's global rank)`` on every bound dedicated parameter, for messages.
 INFO_ATTR = "_dmuon_info"
+#: Attribute with the :class:`BoundaryAccess` of every bound dedicated parameter: what its boundary group
+#: answers when a guarded or unheld class meets a value read.
+ACCESS_ATTR = "_dmuon_access"
 
 _FIX = ("read it on its owner (dmuon.get_owned_params(model)), gather full values with "
         "dmuon.get_model_state_dict(model), clip with dmuon.clip_grad_norm_(model, max_norm)")
@@ -70,6 +90,21 @@ def _is_internal() -> bool:
     return getattr(_tls, "depth", 0) > 0
 
 
+class BoundaryAccess(Protocol):
+    """What a guarded or unheld parameter asks its boundary group (``runtime/group.py``) on a value read."""
+
+    #: The hook boundary's module name ("" for the root).
+    boundary: str
+
+    def admit(self) -> None:
+        """On a holder: wait for what is in flight into the param's bucket (a publish), which makes the bucket's
+        params plain. A local wait, never a collective."""
+        ...
+
+
+# ---------------------------------------------------------------------- #
+# The guard shared by the four classes                                     #
+# ---------------------------------------------------------------------- #
 def _metadata_functions() -> frozenset[Any]:
     """Tensor attributes and methods that read no values (each looked up, so a torch build lacking one
     simply leaves it out)."""
@@ -116,15 +151,14 @@ def _op_name(func: Any) -> str:
     return name
 
 
-def _first_unheld(args: Any) -> torch.Tensor | None:
+def _dedicated_in(args: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The guarded and unheld tensors among ``args`` (lists and tuples searched), in order."""
     for a in args:
-        if isinstance(a, (UnheldParameter, UnheldDTensor)):
-            return a
-        if isinstance(a, (list, tuple)):
-            hit = _first_unheld(a)
-            if hit is not None:
-                return hit
-    return None
+        if isinstance(a, _GUARD_CLASSES):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            _dedicated_in(a, found)
+    return found
 
 
 def _message(func: Any, p: torch.Tensor | None) -> str:
@@ -136,15 +170,33 @@ def _message(func: Any, p: torch.Tensor | None) -> str:
             "encloses every use.")
 
 
-def _refuse_values(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """The guard of both unheld classes: metadata through, ``repr`` described, anything else refused."""
+def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
+    """Raise for an unheld one of ``tensors``, or admit the guarded ones so ``func`` can run. ``as_repr``:
+    return the description instead of raising."""
+    for p in tensors:
+        if isinstance(p, _UNHELD_CLASSES):
+            if as_repr:
+                return describe(p)
+            raise NotHeldError(_message(func, p))
+    for p in tensors:
+        getattr(p, ACCESS_ATTR).admit()
+        if isinstance(p, _GUARD_CLASSES):
+            raise_internal(f"dedicated parameter {getattr(p, INFO_ATTR, ('?',))[0]!r} is still guarded after "
+                           "its boundary group admitted it")
+    return None
+
+
+def _guard(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``__torch_function__`` of the four classes: metadata through; a value read raises or is admitted."""
     kwargs = kwargs or {}
     if func in _METADATA or _is_internal():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    if func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",)):
-        return describe(args[0])
-    raise NotHeldError(_message(func, _first_unheld(args)))
+    as_repr = func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",))
+    described = _check(func, _dedicated_in((*args, *kwargs.values()), []), as_repr)
+    if described is not None:
+        return described
+    return func(*args, **kwargs)  # every guarded one is plain now: torch's own path
 
 
 class UnheldParameter(nn.Parameter):
@@ -152,23 +204,35 @@ class UnheldParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return _refuse_values(func, args, kwargs)
+        return _guard(func, args, kwargs)
 
 
-class UnheldDTensor(DTensor):
-    """A tensor-parallel dedicated parameter (an ``nn.Parameter`` whose class is ``DTensor``) whose local shard
-    this rank does not hold right now: the same guard as :class:`UnheldParameter`. Methods that read values,
-    ``full_tensor()``, ``redistribute()``, ``to_local()``, run torch functions on it and are refused."""
+class GuardedParameter(nn.Parameter):
+    """A dedicated parameter this rank holds whose values must not be read as they are: a publish is in flight
+    into it. See [Note: guarded parameters]."""
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return _refuse_values(func, args, kwargs)
+        return _guard(func, args, kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # DTensor's own formats the empty local shard
-        return describe(self)
 
-    # DTensor's methods that read the local shard in Python, not through a torch function (an
-    # autograd.Function's apply bypasses __torch_function__): a collective on 0 bytes of storage crashes
+class _DTensorGuard:
+    """The guard for tensor-parallel dedicated parameters (``nn.Parameter`` s whose class is ``DTensor``).
+    DTensor's ``full_tensor()``, ``redistribute()``, ``to_local()`` and ``repr`` reach the local shard in
+    Python, not through a torch function (an autograd.Function's apply bypasses ``__torch_function__``), so
+    they are guarded here too: on 0 bytes of storage a collective crashes."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _guard(func, args, kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        me: Any = self
+        described = None if _is_internal() else _check(torch.Tensor.__repr__, [me], as_repr=True)
+        return described if described is not None else DTensor.__repr__(me, tensor_contents=tensor_contents)
+
     def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
         return self._guarded(DTensor.full_tensor, args, kwargs)
 
@@ -179,23 +243,50 @@ class UnheldDTensor(DTensor):
         return self._guarded(DTensor.to_local, args, kwargs)
 
     def _guarded(self, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        if _is_internal():
-            return method(self, *args, **kwargs)
-        raise NotHeldError(_message(method, self))
+        me: Any = self
+        if not _is_internal():
+            _check(method, [me], as_repr=False)
+        return method(me, *args, **kwargs)
 
 
-def set_held(p: nn.Parameter, held: bool) -> None:
-    """Mark ``p`` as holding its values (plain ``nn.Parameter`` / ``DTensor``) or not (:class:`UnheldParameter`
-    / :class:`UnheldDTensor`).
+class UnheldDTensor(_DTensorGuard, DTensor):
+    """A tensor-parallel dedicated parameter whose local shard this rank does not hold right now: the guard of
+    :class:`UnheldParameter`."""
 
-    Only those exact classes are switched; another subclass is left alone."""
+
+class GuardedDTensor(_DTensorGuard, DTensor):
+    """A tensor-parallel dedicated parameter this rank holds, guarded like :class:`GuardedParameter`."""
+
+
+_UNHELD_CLASSES = (UnheldParameter, UnheldDTensor)
+_GUARD_CLASSES = (UnheldParameter, UnheldDTensor, GuardedParameter, GuardedDTensor)
+
+
+class Access(enum.Enum):
+    """What a dedicated parameter's class lets through."""
+
+    #: Plain ``nn.Parameter`` / ``DTensor``: torch's fast path. Inside the boundary's window on every rank;
+    #: on holders also outside it when no publish is in flight.
+    OPEN = "open"
+    #: :class:`GuardedParameter` / :class:`GuardedDTensor`: held; the first value read waits or raises.
+    GUARDED = "guarded"
+    #: :class:`UnheldParameter` / :class:`UnheldDTensor`: 0 bytes here; every value read raises.
+    UNHELD = "unheld"
+
+
+_PARAM_CLASSES = {Access.OPEN: nn.Parameter, Access.GUARDED: GuardedParameter, Access.UNHELD: UnheldParameter}
+_DTENSOR_CLASSES = {Access.OPEN: DTensor, Access.GUARDED: GuardedDTensor, Access.UNHELD: UnheldDTensor}
+_PARAM_SET = frozenset(_PARAM_CLASSES.values())
+_DTENSOR_SET = frozenset(_DTENSOR_CLASSES.values())
+
+
+def set_access(p: nn.Parameter, access: Access) -> None:
+    """Give ``p`` the class of ``access``: one pointer write, none if it has it already. Only dmuon's six
+    classes are switched; another subclass is left alone."""
     cls = type(p)
-    if held and cls in (UnheldParameter, UnheldDTensor):
-        p.__class__ = nn.Parameter if cls is UnheldParameter else DTensor
-    elif not held and cls is nn.Parameter:
-        p.__class__ = UnheldParameter
-    elif not held and cls is DTensor:
-        p.__class__ = UnheldDTensor
+    table = _PARAM_CLASSES if cls in _PARAM_SET else _DTENSOR_CLASSES if cls in _DTENSOR_SET else None
+    if table is not None and cls is not table[access]:
+        p.__class__ = table[access]
 
 
 # ---------------------------------------------------------------------- #
