@@ -82,7 +82,9 @@ def get_dedicated_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def get_owned_params(model: nn.Module, rank: int | None = None) -> dict[str, nn.Parameter]:
-    """Dedicated params owned by mesh rank ``rank`` (default: this process), by FQN.
+    """Dedicated params owned by mesh rank ``rank`` (default: this process), by FQN. Their values can be
+    read on the owner between steps; during a training pass (a forward until its backward ends) only inside
+    their hook boundary, like on every other rank (``OutsideBoundaryError`` otherwise).
 
     Example::
 

@@ -63,7 +63,7 @@ from . import comm as C
 from .comm import CommKind
 from .config import RuntimeConfig
 from .errors import raise_internal
-from .guard import ACCESS_ATTR, INFO_ATTR, Access, internal, set_access
+from .guard import ACCESS_ATTR, INFO_ATTR, Access, TrainingPass, internal, set_access
 from .param import DedicatedParam, local
 from .precision import is_wider
 
@@ -140,6 +140,10 @@ class _BucketAccess:
     index: int
     boundary: str
 
+    def outside_window(self) -> str | None:
+        g = self.group()
+        return None if g is None else g.outside_window()
+
     def admit(self) -> None:
         g = self.group()
         if g is not None:
@@ -162,8 +166,12 @@ class BoundaryGroup:
     state: GroupState
     #: Grad-enabled forwards whose backward has not finished yet; weights must stay reachable.
     backward_pending: bool
+    #: The model's training pass (``DMuonState`` shares its own with every group before the first bind);
+    #: read only here, to choose the params' classes.
+    training_pass: TrainingPass
 
-    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, config: RuntimeConfig):
+    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, config: RuntimeConfig,
+                 training_pass: TrainingPass | None = None):
         self.fqn = fqn
         self.params = list(params)
         self.ctx = ctx
@@ -184,6 +192,7 @@ class BoundaryGroup:
             self.buckets.append(Bucket(column, dps, offsets, total))
         self.state = GroupState.SHARDED
         self.backward_pending = False
+        self.training_pass = TrainingPass() if training_pass is None else training_pass
         #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the
         #: model state: it arms the stash hook).
         self.on_grad_reduced: Callable[[DedicatedParam], None] | None = None
@@ -313,19 +322,19 @@ class BoundaryGroup:
     # ------------------------------------------------------------------ #
     def access(self, b: Bucket) -> Access:
         """The class ``b``'s params must have now. Inside the window (UNSHARDED) every rank computes on plain
-        params. Outside it a non-holder has 0 bytes ([Note: unheld parameters]); a holder is guarded while a
-        publish is in flight into the bucket ([Note: guarded parameters])."""
+        params. Outside it a non-holder has 0 bytes ([Note: unheld parameters]); a holder is guarded during
+        a training pass and while a publish is in flight into the bucket ([Note: guarded parameters])."""
         if self.state is GroupState.UNSHARDED:
             return Access.OPEN
         if not self.is_holder(b):
             return Access.UNHELD
-        if b.pending_publish:
+        if self.training_pass.active or b.pending_publish:
             return Access.GUARDED
         return Access.OPEN
 
     def sync_classes(self) -> None:
         """Give every param its :meth:`access` class: pointer writes only, called after each change of the
-        group's state or a bucket's publishes."""
+        group's state, a bucket's publishes, or the training pass."""
         for b in self.buckets:
             self._sync_bucket(b)
 
@@ -334,9 +343,16 @@ class BoundaryGroup:
         for dp in b.params:
             set_access(dp.bound(), access)
 
+    def outside_window(self) -> str | None:
+        """Asked by a guarded or unheld param on a value read: during a training pass, where the model is
+        (the same words on every rank; the caller raises); ``None`` outside a pass."""
+        if not self.training_pass.active or self.state is GroupState.UNSHARDED:
+            return None
+        return self.training_pass.where()
+
     def admit(self, index: int) -> None:
-        """A holder's guarded param is read: wait for the publish in flight into its bucket (a local
-        ``Work.wait()``, a stream wait on CUDA; no collective), making the bucket plain."""
+        """A holder's guarded param is read outside a training pass: wait for the publish in flight into its
+        bucket (a local ``Work.wait()``, a stream wait on CUDA; no collective), making the bucket plain."""
         self.wait_publish(self.buckets[index])
 
     # ------------------------------------------------------------------ #
