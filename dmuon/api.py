@@ -55,7 +55,9 @@ def broadcast_all_updates(model: nn.Module) -> None:
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
     """Finish every pending post-step publish of updated weights over the replicate dimension (HSDP with
     ``replicate_async=True``), so every holder has the new weights. Collective. On a 1-D mesh nothing is
-    ever pending and it returns at once. The state-dict functions call it themselves.
+    ever pending and it returns at once. The state-dict functions call it themselves, and a read of a
+    holder's copy (``p.detach()``, an EMA over ``model.parameters()``) waits for its own bucket's publish by
+    itself, so this is only the drain that finishes them all at once.
 
     Example::
 
@@ -80,7 +82,9 @@ def get_dedicated_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def get_owned_params(model: nn.Module, rank: int | None = None) -> dict[str, nn.Parameter]:
-    """Dedicated params owned by mesh rank ``rank`` (default: this process), by FQN.
+    """Dedicated params owned by mesh rank ``rank`` (default: this process), by FQN. Their values can be
+    read on the owner between steps; during a training pass (a forward until its backward ends) only inside
+    their hook boundary, like on every other rank (``OutsideBoundaryError`` otherwise).
 
     Example::
 

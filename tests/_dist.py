@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,20 +53,24 @@ def rank_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple,
+           pg_timeout: timedelta | None = None) -> None:
     import torch.distributed as dist
+
+    timeout = {} if pg_timeout is None else {"timeout": pg_timeout}
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(RANK_THREADS)
     try:
         if DEVICE_TYPE == "cuda":
             torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                                    **timeout)
         else:
             # a FileStore in the job's own directory, not a TCP port: two suites (or a suite and a helper's run)
             # on one machine cannot collide on a port picked by free_port() and bound later
             store = f"file://{os.path.join(outdir, 'store')}"
-            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, **timeout)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         del result
@@ -87,10 +92,12 @@ def world_available(world: int) -> bool:
     return DEVICE_TYPE == "cpu" or torch.cuda.device_count() >= world
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, pg_timeout: timedelta | None = None) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; returns the per-rank results, on the CPU.
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises with its traceback.
+    ``pg_timeout``: the default process group's timeout (dmuon's groups take it too), for jobs that check
+    that no rank waits for one.
     """
     if DEVICE_TYPE == "cuda":
         import sys
@@ -108,7 +115,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
     ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args, pg_timeout)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S

@@ -17,7 +17,7 @@ instead of killing the suite. The reference is the same model on one process (``
 | ``dmuon.clip_grad_norm_(..., norm_type=inf)`` with a NaN on rank 1 | NaN on every rank | ``test_clip.py::test_a_nonfinite_gradient_on_one_rank_reaches_every_rank`` |
 | the checkpoint recipe killed mid-``torch.save`` | the previous file survives (temporary name, then rename) | ``test_faults.py`` |
 | one flipped byte in a checkpoint; a torn DCP save | ``set_*_state_dict`` refuses it on every rank | ``test_checksum.py`` |
-| a dedicated matrix used by two boundaries | one module at two paths: ``ValueError`` at ``dedicate_params``; a matrix called from outside its boundary: ``NotHeldError`` on the ranks that do not own it (the owner computes on) | ``test_two_boundaries`` (here) |
+| a dedicated matrix used by two boundaries | one module at two paths: ``ValueError`` at ``dedicate_params``; a matrix called from outside its boundary: the same ``OutsideBoundaryError`` (a ``NotHeldError``) on every rank, the owner's too | ``test_two_boundaries`` (here), ``test_boundary_misuse.py`` |
 """
 
 from __future__ import annotations
@@ -286,9 +286,12 @@ def two_boundaries_job(rank: int, world: int) -> dict:
 
 
 def test_two_boundaries():
-    for r in run_distributed(two_boundaries_job, WORLD):
+    results = run_distributed(two_boundaries_job, WORLD)
+    assert sum(r["owner"] for r in results) == 1
+    for r in results:
         assert r["shared_module"].startswith("ValueError") and "shared" in r["shared_module"], r["shared_module"]
-        if r["owner"]:
-            assert r["reused"] == "", "the owner holds the matrix and computes on"
-        else:
-            assert r["reused"].startswith("NotHeldError") and "hook boundary" in r["reused"], r["reused"]
+        # the owner too: computing on, it would wait for the others in the next collective
+        assert r["reused"] == results[0]["reused"], "every rank raises the same error"
+        assert r["reused"].startswith("OutsideBoundaryError"), r["reused"]
+        assert "hook boundary 'inner.layers.0'" in r["reused"], r["reused"]
+        assert "in the model's forward (in no hook boundary)" in r["reused"], r["reused"]

@@ -508,6 +508,7 @@ class Muon(torch.optim.Optimizer):
             )
         self._check_fsdp_since_build()
         state.wait_all_reduces()
+        state.end_pass()  # a forward whose backward never came: owners update their matrices all the same
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":

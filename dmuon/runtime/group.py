@@ -16,8 +16,9 @@ index, every replicate row) is a *holder* and keeps the full tensor, so each row
 own holder over its shard group. Gradients reduce in two stages: over the shard group to the row's
 holder, then over the replicate group to the owner (net divisor: the world size). After ``step()`` the
 owner publishes the new tensor to the other holders over the replicate group, asynchronously by
-default; a bucket's next broadcast first waits for that publish. A 1-D mesh is the one-row grid: every
-holder is the owner and the replicate stages vanish.
+default; a bucket's next broadcast first waits for that publish, and so does the first read of a holder's
+copy before that ([Note: guarded parameters] in ``dmuon/runtime/guard.py``). A 1-D mesh is the one-row
+grid: every holder is the owner and the replicate stages vanish.
 
 [Note: gradients]
 The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
@@ -52,6 +53,7 @@ Three dtypes per dedicated matrix, all fixed by ``dedicate_params``:
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,7 +63,7 @@ from . import comm as C
 from .comm import CommKind
 from .config import RuntimeConfig
 from .errors import raise_internal
-from .guard import INFO_ATTR, internal, set_held
+from .guard import ACCESS_ATTR, INFO_ATTR, Access, TrainingPass, internal, set_access
 from .param import DedicatedParam, local
 from .precision import is_wider
 
@@ -99,7 +101,8 @@ class Bucket:
     pending_reduce: tuple[C.PendingComm, list[DedicatedParam]] | None = None
     #: World size 1: the local gradients themselves, nothing to average (no concatenation copy).
     pending_local: tuple[list[torch.Tensor], list[DedicatedParam]] | None = None
-    #: In-flight publishes of updated weights over the replicate group (holders only).
+    #: In-flight publishes of updated weights over the replicate group (holders only). While any is, the
+    #: bucket's params are guarded: their first value read waits for it.
     pending_publish: list[C.PendingComm] = field(default_factory=list)
     #: Holders' copies not yet synced from the owners (after a bind or a checkpoint load).
     stale: bool = False
@@ -128,6 +131,25 @@ def _segments(dps: Sequence[DedicatedParam], shard_size: int) -> list[tuple[int,
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class _BucketAccess:
+    """A bound param's :class:`~dmuon.runtime.guard.BoundaryAccess`: its group, held weakly (the param must not
+    keep its model alive: see ``_weak_hook`` in ``dmuon/runtime/hooks.py``), and its bucket's index."""
+
+    group: weakref.ReferenceType[BoundaryGroup]
+    index: int
+    boundary: str
+
+    def outside_window(self) -> str | None:
+        g = self.group()
+        return None if g is None else g.outside_window()
+
+    def admit(self) -> None:
+        g = self.group()
+        if g is not None:
+            g.admit(self.index)
+
+
 class BoundaryGroup:
     """Runtime of one hook boundary. State changes only through the guarded methods below.
 
@@ -144,8 +166,12 @@ class BoundaryGroup:
     state: GroupState
     #: Grad-enabled forwards whose backward has not finished yet; weights must stay reachable.
     backward_pending: bool
+    #: The model's training pass (``DMuonState`` shares its own with every group before the first bind);
+    #: read only here, to choose the params' classes.
+    training_pass: TrainingPass
 
-    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, config: RuntimeConfig):
+    def __init__(self, fqn: str, params: Sequence[DedicatedParam], ctx: C.CommContext, config: RuntimeConfig,
+                 training_pass: TrainingPass | None = None):
         self.fqn = fqn
         self.params = list(params)
         self.ctx = ctx
@@ -166,6 +192,7 @@ class BoundaryGroup:
             self.buckets.append(Bucket(column, dps, offsets, total))
         self.state = GroupState.SHARDED
         self.backward_pending = False
+        self.training_pass = TrainingPass() if training_pass is None else training_pass
         #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the
         #: model state: it arms the stash hook).
         self.on_grad_reduced: Callable[[DedicatedParam], None] | None = None
@@ -204,12 +231,13 @@ class BoundaryGroup:
         if self._bound:
             self._assert_in("rebind", GroupState.SHARDED)
         with torch.no_grad(), internal():
-            for b in self.buckets:
-                self._bind_bucket(b, register_hooks)
+            for i, b in enumerate(self.buckets):
+                self._bind_bucket(i, b, register_hooks)
         self.state = GroupState.SHARDED
         self._bound = True
+        self.sync_classes()
 
-    def _bind_bucket(self, b: Bucket, register_hooks: Callable[[DedicatedParam], None]) -> None:
+    def _bind_bucket(self, index: int, b: Bucket, register_hooks: Callable[[DedicatedParam], None]) -> None:
         for dp in b.params:
             dp.adopt_dtype(dp.current())
         dtype = b.params[0].compute_dtype
@@ -228,10 +256,10 @@ class BoundaryGroup:
             master = value.to(dp.dtype, copy=True) if dp.is_owner and dp.compute_dtype != dp.dtype else None
             dp.bind(p, view, master)
             setattr(p, INFO_ATTR, (dp.fqn, self.ctx.global_rank(C.Dim.WORLD, dp.owner)))
+            setattr(p, ACCESS_ATTR, _BucketAccess(weakref.ref(self), index, self.fqn))
             register_hooks(dp)
         if not self.is_holder(b):
             flat.untyped_storage().resize_(0)
-            self._set_held(b, False)
         b.flat = flat
         b.pending_publish.clear()
         # other rows' holders may have initialised differently: the owners' values win
@@ -267,10 +295,8 @@ class BoundaryGroup:
         for pending in self._pending_unshard:
             C.wait(pending)
         self._pending_unshard.clear()
-        for b in self.buckets:
-            if not self.is_holder(b):
-                self._set_held(b, True)
         self.state = GroupState.UNSHARDED
+        self.sync_classes()
 
     def ensure_unsharded(self, kind: CommKind) -> None:
         """Issue (if not already in flight) and wait: SHARDED/REDUCING/UNSHARDING -> UNSHARDED."""
@@ -288,15 +314,46 @@ class BoundaryGroup:
         for b in self.buckets:
             if not self.is_holder(b):
                 b.buffer().untyped_storage().resize_(0)
-                self._set_held(b, False)
         self.state = GroupState.SHARDED
+        self.sync_classes()
 
-    @staticmethod
-    def _set_held(b: Bucket, held: bool) -> None:
-        """Non-holders: the params' class follows their storage. See [Note: unheld parameters] in
-        ``dmuon/runtime/guard.py``."""
+    # ------------------------------------------------------------------ #
+    # Parameter classes (see the notes in dmuon/runtime/guard.py)         #
+    # ------------------------------------------------------------------ #
+    def access(self, b: Bucket) -> Access:
+        """The class ``b``'s params must have now. Inside the window (UNSHARDED) every rank computes on plain
+        params. Outside it a non-holder has 0 bytes ([Note: unheld parameters]); a holder is guarded during
+        a training pass and while a publish is in flight into the bucket ([Note: guarded parameters])."""
+        if self.state is GroupState.UNSHARDED:
+            return Access.OPEN
+        if not self.is_holder(b):
+            return Access.UNHELD
+        if self.training_pass.active or b.pending_publish:
+            return Access.GUARDED
+        return Access.OPEN
+
+    def sync_classes(self) -> None:
+        """Give every param its :meth:`access` class: pointer writes only, called after each change of the
+        group's state, a bucket's publishes, or the training pass."""
+        for b in self.buckets:
+            self._sync_bucket(b)
+
+    def _sync_bucket(self, b: Bucket) -> None:
+        access = self.access(b)
         for dp in b.params:
-            set_held(dp.bound(), held)
+            set_access(dp.bound(), access)
+
+    def outside_window(self) -> str | None:
+        """Asked by a guarded or unheld param on a value read: during a training pass, where the model is
+        (the same words on every rank; the caller raises); ``None`` outside a pass."""
+        if not self.training_pass.active or self.state is GroupState.UNSHARDED:
+            return None
+        return self.training_pass.where()
+
+    def admit(self, index: int) -> None:
+        """A holder's guarded param is read outside a training pass: wait for the publish in flight into its
+        bucket (a local ``Work.wait()``, a stream wait on CUDA; no collective), making the bucket plain."""
+        self.wait_publish(self.buckets[index])
 
     # ------------------------------------------------------------------ #
     # HSDP: holders of other replicate rows follow the owner               #
@@ -317,11 +374,16 @@ class BoundaryGroup:
             b.pending_publish.append(C.broadcast(self.ctx, flat[start:end], row, CommKind.REPLICATE_PUBLISH,
                                                  self.fqn, dim=C.Dim.REPLICATE))
         b.stale = False
+        self._sync_bucket(b)
 
     def wait_publish(self, b: Bucket) -> None:
+        """Finish ``b``'s publishes in flight (local waits), then unguard its params if nothing else guards them."""
+        if not b.pending_publish:
+            return
         for pending in b.pending_publish:
             C.wait(pending)
         b.pending_publish.clear()
+        self._sync_bucket(b)
 
     def sync_holders(self, b: Bucket) -> None:
         """Before a holder broadcasts ``b`` in its row: finish (or, if stale, make) the owners' publish."""

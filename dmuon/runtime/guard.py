@@ -14,6 +14,36 @@ good: a plain ``nn.Parameter`` takes torch's fast path in every op, so the modul
 on held weights pay nothing, and owners never carry the subclass at all. The parameter objects stay the
 same, so autograd's saved views, hooks and optimizer references are untouched.
 
+[Note: guarded parameters]
+A rank that *holds* a dedicated parameter (its owner; under HSDP every rank of the owner's shard column)
+has its values, but two situations make reading them wrong, and there its class is
+:class:`GuardedParameter` (:class:`GuardedDTensor` for tensor parallelism):
+
+* *a publish in flight* (HSDP): after ``step()`` the owner sends the new tensor to the holders of the
+  other replicate rows asynchronously; until it lands a holder's copy is partly old. The first value op
+  on a guarded param asks its boundary group to wait for that bucket's publish (``Work.wait()``: a local
+  wait, on CUDA a stream wait, never a collective), which swaps the bucket's params back to plain, then
+  runs. A read after ``step()`` sees the step, as under FSDP2; the owner's own params are guarded too,
+  since an in-place write there would race with the send;
+* *a training pass, outside the boundary's window*: see [Note: boundary windows]. The first value op
+  raises :class:`OutsideBoundaryError`.
+
+Metadata and ``repr`` pass as for unheld parameters; nothing on the forward/backward fast path ever
+meets the class, which is plain wherever the module legitimately computes.
+
+[Note: boundary windows]
+A dedicated matrix is present on every rank only inside its boundary's *window* (the group is
+UNSHARDED: the boundary's forward, its backward, and under Z2 from forward to backward). Non-holders hold
+nothing outside it and raise; if the owner and the holders computed on, they would wait in the next
+collective for the ranks that raised, until the process-group timeout. No collective can tell them, so
+every rank decides alone by one rule that depends only on what every rank shares (the hooks that ran and
+the group states): during a *training pass* (:class:`TrainingPass`: from the root's (or a boundary's)
+pre-forward until the end of that pass's backward, or the end of the forward when grad is disabled,
+or ``step()`` when the backward never comes), a value read of a dedicated parameter outside its window
+raises :class:`OutsideBoundaryError` with the same message on every rank: holders' params are guarded
+there and non-holders' unheld ones raise the pass error instead of :class:`NotHeldError`. Outside a pass
+holders read freely (the optimizer step, ``dmuon.get_owned_params`` between steps, checkpoints).
+
 [Note: module guards]
 Three module calls would otherwise go wrong on some ranks only, so they are refused on every rank alike
 (the decision depends only on the model's structure, which every rank shares):
@@ -29,21 +59,29 @@ Three module calls would otherwise go wrong on some ranks only, so they are refu
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import MethodType
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["NotHeldError", "UnheldParameter", "UnheldDTensor", "internal", "set_held", "describe", "guard_modules"]
+from .errors import raise_internal
+
+__all__ = ["NotHeldError", "OutsideBoundaryError", "TrainingPass", "Access", "BoundaryAccess", "UnheldParameter",
+           "UnheldDTensor", "GuardedParameter", "GuardedDTensor", "internal", "in_backward", "set_access", "describe",
+           "guard_modules"]
 
 #: Attribute with ``(fqn, owner's global rank)`` on every bound dedicated parameter, for messages.
 INFO_ATTR = "_dmuon_info"
+#: Attribute with the :class:`BoundaryAccess` of every bound dedicated parameter: what its boundary group
+#: answers when a guarded or unheld class meets a value read.
+ACCESS_ATTR = "_dmuon_access"
 
 _FIX = ("read it on its owner (dmuon.get_owned_params(model)), gather full values with "
         "dmuon.get_model_state_dict(model), clip with dmuon.clip_grad_norm_(model, max_norm)")
@@ -51,6 +89,12 @@ _FIX = ("read it on its owner (dmuon.get_owned_params(model)), gather full value
 
 class NotHeldError(RuntimeError):
     """A value of a dedicated parameter was read on a rank that holds no copy of it."""
+
+
+class OutsideBoundaryError(NotHeldError):
+    """A dedicated parameter was read during a training pass outside its hook boundary's window. Raised on
+    every rank alike, the owner's too, so that none goes on to wait in a collective for the others. See
+    [Note: boundary windows]."""
 
 
 _tls = threading.local()
@@ -70,6 +114,107 @@ def _is_internal() -> bool:
     return getattr(_tls, "depth", 0) > 0
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (non-reentrant activation
+    checkpointing re-runs forward hooks there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------- #
+# The training pass (see [Note: boundary windows])                         #
+# ---------------------------------------------------------------------- #
+class TrainingPass:
+    """Whether one model is in a training pass, and where. See [Note: boundary windows].
+
+    Written only by the model state's hooks (``dmuon/runtime/hooks.py``); boundary groups read :attr:`active`
+    to choose their params' classes, messages read :meth:`where`. Every hook that drives it runs on every
+    rank alike, so every rank sees the same pass. Each change returns whether :attr:`active` flipped (the
+    caller then re-sorts every group's classes). Lenient on purpose: a module's post-forward may run without
+    its pre-forward (a hook before it raised), and a boundary whose forward raised never leaves."""
+
+    #: A pass is open: a value read outside a boundary's window raises on every rank. Plain attribute, read
+    #: at every class change.
+    active: bool
+
+    def __init__(self) -> None:
+        #: Nesting depth of the root module's forward (outside backward).
+        self._root_depth = 0
+        #: Boundaries whose forward runs now (outside backward), innermost last.
+        self._running: list[str] = []
+        #: A grad-enabled forward returned and no backward (nor ``step()``) has closed it yet.
+        self._owed = False
+        self.active = False
+
+    def _flipped(self) -> bool:
+        now = self._root_depth > 0 or bool(self._running) or self._owed
+        flipped, self.active = now != self.active, now
+        return flipped
+
+    def open_root(self) -> bool:
+        """The root module's pre-forward (outside backward)."""
+        if self._root_depth == 0:
+            self._running.clear()  # boundaries whose forward raised never left
+        self._root_depth += 1
+        return self._flipped()
+
+    def close_root(self, grad_enabled: bool) -> bool:
+        """The root module's post-forward (outside backward; also after an exception). With grad enabled the
+        pass stays open until the backward ends."""
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0:
+            self._running.clear()
+        self._owed = self._owed or grad_enabled
+        return self._flipped()
+
+    def enter(self, boundary: str) -> bool:
+        """A boundary's pre-forward (outside backward). Outside a root call this opens the pass itself."""
+        self._running.append(boundary)
+        return self._flipped()
+
+    def leave(self, boundary: str, grad_enabled: bool) -> bool:
+        """A boundary's post-forward (outside backward)."""
+        if boundary in self._running:  # the innermost, unless a boundary inside it raised
+            last = len(self._running) - 1 - self._running[::-1].index(boundary)
+            del self._running[last:]
+        self._owed = self._owed or grad_enabled
+        return self._flipped()
+
+    def settle(self) -> bool:
+        """The backward ended (the end-of-backward callback), or ``step()`` / a state-dict drain dropped
+        forwards whose backward never came."""
+        self._owed = False
+        return self._flipped()
+
+    def where(self) -> str:
+        """Where the model is, for messages: the same words on every rank."""
+        if in_backward():
+            return "during the backward"
+        if self._running:
+            return f"in the forward of hook boundary {self._running[-1] or '<root>'!r}"
+        if self._root_depth:
+            return "in the model's forward (in no hook boundary)"
+        return "after the model's forward, before its backward finished"
+
+
+class BoundaryAccess(Protocol):
+    """What a guarded or unheld parameter asks its boundary group (``runtime/group.py``) on a value read."""
+
+    #: The hook boundary's module name ("" for the root).
+    boundary: str
+
+    def outside_window(self) -> str | None:
+        """During a training pass, :meth:`TrainingPass.where`; ``None`` outside one."""
+        ...
+
+    def admit(self) -> None:
+        """Outside a pass, on a holder: wait for what is in flight into the param's bucket (a publish), which
+        makes the bucket's params plain. A local wait, never a collective."""
+        ...
+
+
+# ---------------------------------------------------------------------- #
+# The guard shared by the four classes                                     #
+# ---------------------------------------------------------------------- #
 def _metadata_functions() -> frozenset[Any]:
     """Tensor attributes and methods that read no values (each looked up, so a torch build lacking one
     simply leaves it out)."""
@@ -99,13 +244,15 @@ def _metadata_functions() -> frozenset[Any]:
 _METADATA = _metadata_functions()
 
 
-def describe(p: torch.Tensor) -> str:
-    """``repr`` of an unheld parameter: what it is and where it lives, no values."""
+def describe(p: torch.Tensor, outside: tuple[str, str] | None = None) -> str:
+    """``repr`` of a parameter that cannot be read here: what it is and where it lives, no values. ``outside``:
+    (boundary, where) during a training pass, the same text on every rank."""
     fqn, owner = getattr(p, INFO_ATTR, ("?", "?"))
     with torch._C.DisableTorchFunctionSubclass():
         shape, dtype, device = tuple(p.shape), p.dtype, p.device
-    return (f"<dmuon dedicated parameter {fqn!r}, shape={shape}, dtype={dtype}, device={device}: "
-            f"held by rank {owner}, not by this rank>")
+    state = (f"outside its hook boundary {outside[0] or '<root>'!r} ({outside[1]})" if outside is not None
+             else f"held by rank {owner}, not by this rank")
+    return f"<dmuon dedicated parameter {fqn!r}, shape={shape}, dtype={dtype}, device={device}: {state}>"
 
 
 def _op_name(func: Any) -> str:
@@ -116,15 +263,14 @@ def _op_name(func: Any) -> str:
     return name
 
 
-def _first_unheld(args: Any) -> torch.Tensor | None:
+def _dedicated_in(args: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The guarded and unheld tensors among ``args`` (lists and tuples searched), in order."""
     for a in args:
-        if isinstance(a, (UnheldParameter, UnheldDTensor)):
-            return a
-        if isinstance(a, (list, tuple)):
-            hit = _first_unheld(a)
-            if hit is not None:
-                return hit
-    return None
+        if isinstance(a, _GUARD_CLASSES):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            _dedicated_in(a, found)
+    return found
 
 
 def _message(func: Any, p: torch.Tensor | None) -> str:
@@ -136,15 +282,55 @@ def _message(func: Any, p: torch.Tensor | None) -> str:
             "encloses every use.")
 
 
-def _refuse_values(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """The guard of both unheld classes: metadata through, ``repr`` described, anything else refused."""
+def _raise_outside(func: Any, p: torch.Tensor, boundary: str, where: str) -> NoReturn:
+    fqn = getattr(p, INFO_ATTR, ("?",))[0]  # not the owner's rank: under TP it differs per tp index
+    raise OutsideBoundaryError(
+        f"dmuon: {_op_name(func)} on dedicated parameter {fqn!r} {where}, outside the window of its hook "
+        f"boundary {boundary or '<root>'!r}. Outside that window only its owner holds it (under HSDP: the "
+        "owner's shard column), so every rank raises this error, the owner too, instead of computing on and "
+        "waiting for the others in the next collective. Use the matrix inside its boundary: give "
+        "dedicate_params a hook_boundary_predicate whose module encloses every use, or "
+        "reshard_after_forward=False to keep it from the forward to the backward (e.g. a loss term on it). A "
+        "grad-enabled forward keeps the pass open until its backward or optimizer.step(): run evaluation "
+        "forwards under torch.no_grad()."
+    )
+
+
+def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
+    """Raise for ``tensors`` (during a pass: the first one outside its window decides, the same one on every
+    rank; else an unheld one), or admit the guarded ones so ``func`` can run. ``as_repr``: return the
+    description instead of raising."""
+    for p in tensors:
+        access: BoundaryAccess | None = getattr(p, ACCESS_ATTR, None)
+        where = None if access is None else access.outside_window()
+        if where is not None:
+            if as_repr:
+                return describe(p, (access.boundary, where))  # type: ignore[union-attr]
+            _raise_outside(func, p, access.boundary, where)  # type: ignore[union-attr]
+    for p in tensors:
+        if isinstance(p, _UNHELD_CLASSES):
+            if as_repr:
+                return describe(p)
+            raise NotHeldError(_message(func, p))
+    for p in tensors:
+        getattr(p, ACCESS_ATTR).admit()
+        if isinstance(p, _GUARD_CLASSES):
+            raise_internal(f"dedicated parameter {getattr(p, INFO_ATTR, ('?',))[0]!r} is still guarded after "
+                           "its boundary group admitted it")
+    return None
+
+
+def _guard(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``__torch_function__`` of the four classes: metadata through; a value read raises or is admitted."""
     kwargs = kwargs or {}
     if func in _METADATA or _is_internal():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    if func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",)):
-        return describe(args[0])
-    raise NotHeldError(_message(func, _first_unheld(args)))
+    as_repr = func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",))
+    described = _check(func, _dedicated_in((*args, *kwargs.values()), []), as_repr)
+    if described is not None:
+        return described
+    return func(*args, **kwargs)  # every guarded one is plain now: torch's own path
 
 
 class UnheldParameter(nn.Parameter):
@@ -152,23 +338,35 @@ class UnheldParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return _refuse_values(func, args, kwargs)
+        return _guard(func, args, kwargs)
 
 
-class UnheldDTensor(DTensor):
-    """A tensor-parallel dedicated parameter (an ``nn.Parameter`` whose class is ``DTensor``) whose local shard
-    this rank does not hold right now: the same guard as :class:`UnheldParameter`. Methods that read values,
-    ``full_tensor()``, ``redistribute()``, ``to_local()``, run torch functions on it and are refused."""
+class GuardedParameter(nn.Parameter):
+    """A dedicated parameter this rank holds whose values must not be read as they are: a publish is in flight
+    into it, or a training pass is outside its boundary's window. See [Note: guarded parameters]."""
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return _refuse_values(func, args, kwargs)
+        return _guard(func, args, kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # DTensor's own formats the empty local shard
-        return describe(self)
 
-    # DTensor's methods that read the local shard in Python, not through a torch function (an
-    # autograd.Function's apply bypasses __torch_function__): a collective on 0 bytes of storage crashes
+class _DTensorGuard:
+    """The guard for tensor-parallel dedicated parameters (``nn.Parameter`` s whose class is ``DTensor``).
+    DTensor's ``full_tensor()``, ``redistribute()``, ``to_local()`` and ``repr`` reach the local shard in
+    Python, not through a torch function (an autograd.Function's apply bypasses ``__torch_function__``), so
+    they are guarded here too: on 0 bytes of storage a collective crashes."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return _guard(func, args, kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        me: Any = self
+        described = None if _is_internal() else _check(torch.Tensor.__repr__, [me], as_repr=True)
+        return described if described is not None else DTensor.__repr__(me, tensor_contents=tensor_contents)
+
     def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
         return self._guarded(DTensor.full_tensor, args, kwargs)
 
@@ -179,23 +377,50 @@ class UnheldDTensor(DTensor):
         return self._guarded(DTensor.to_local, args, kwargs)
 
     def _guarded(self, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        if _is_internal():
-            return method(self, *args, **kwargs)
-        raise NotHeldError(_message(method, self))
+        me: Any = self
+        if not _is_internal():
+            _check(method, [me], as_repr=False)
+        return method(me, *args, **kwargs)
 
 
-def set_held(p: nn.Parameter, held: bool) -> None:
-    """Mark ``p`` as holding its values (plain ``nn.Parameter`` / ``DTensor``) or not (:class:`UnheldParameter`
-    / :class:`UnheldDTensor`).
+class UnheldDTensor(_DTensorGuard, DTensor):
+    """A tensor-parallel dedicated parameter whose local shard this rank does not hold right now: the guard of
+    :class:`UnheldParameter`."""
 
-    Only those exact classes are switched; another subclass is left alone."""
+
+class GuardedDTensor(_DTensorGuard, DTensor):
+    """A tensor-parallel dedicated parameter this rank holds, guarded like :class:`GuardedParameter`."""
+
+
+_UNHELD_CLASSES = (UnheldParameter, UnheldDTensor)
+_GUARD_CLASSES = (UnheldParameter, UnheldDTensor, GuardedParameter, GuardedDTensor)
+
+
+class Access(enum.Enum):
+    """What a dedicated parameter's class lets through."""
+
+    #: Plain ``nn.Parameter`` / ``DTensor``: torch's fast path. Inside the boundary's window on every rank;
+    #: on holders also outside a training pass when no publish is in flight.
+    OPEN = "open"
+    #: :class:`GuardedParameter` / :class:`GuardedDTensor`: held; the first value read waits or raises.
+    GUARDED = "guarded"
+    #: :class:`UnheldParameter` / :class:`UnheldDTensor`: 0 bytes here; every value read raises.
+    UNHELD = "unheld"
+
+
+_PARAM_CLASSES = {Access.OPEN: nn.Parameter, Access.GUARDED: GuardedParameter, Access.UNHELD: UnheldParameter}
+_DTENSOR_CLASSES = {Access.OPEN: DTensor, Access.GUARDED: GuardedDTensor, Access.UNHELD: UnheldDTensor}
+_PARAM_SET = frozenset(_PARAM_CLASSES.values())
+_DTENSOR_SET = frozenset(_DTENSOR_CLASSES.values())
+
+
+def set_access(p: nn.Parameter, access: Access) -> None:
+    """Give ``p`` the class of ``access``: one pointer write, none if it has it already. Only dmuon's six
+    classes are switched; another subclass is left alone."""
     cls = type(p)
-    if held and cls in (UnheldParameter, UnheldDTensor):
-        p.__class__ = nn.Parameter if cls is UnheldParameter else DTensor
-    elif not held and cls is nn.Parameter:
-        p.__class__ = UnheldParameter
-    elif not held and cls is DTensor:
-        p.__class__ = UnheldDTensor
+    table = _PARAM_CLASSES if cls in _PARAM_SET else _DTENSOR_CLASSES if cls in _DTENSOR_SET else None
+    if table is not None and cls is not table[access]:
+        p.__class__ = table[access]
 
 
 # ---------------------------------------------------------------------- #

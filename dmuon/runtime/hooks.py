@@ -45,7 +45,7 @@ from .blocks import Blocks
 from .comm import CommKind
 from .config import RuntimeConfig
 from .group import BoundaryGroup, GroupState
-from .guard import guard_modules
+from .guard import TrainingPass, guard_modules, in_backward
 from .param import DedicatedParam, GradState
 from .prefetch import Prefetcher
 from .replicated import all_reduce_replicated_grads
@@ -73,10 +73,6 @@ def _tensors_in(output: Any) -> list[torch.Tensor]:
     return found
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class DMuonState:
     """Everything ``dedicate_params`` built for one model: its groups, settings and hooks."""
 
@@ -101,6 +97,11 @@ class DMuonState:
         #: on the engine's shards of them, not on an owner ([Note: routes] in ``dmuon/runtime/route.py``).
         self.sharded_muon: dict[str, Blocks] = {}
         self.prefetcher = Prefetcher(config.prefetch)
+        #: The training pass the hooks below drive; every group reads it to choose its params' classes
+        #: ([Note: boundary windows] in ``dmuon/runtime/guard.py``). Wired in before the first bind.
+        self.training_pass = TrainingPass()
+        for g in self.groups:
+            g.training_pass = self.training_pass
         self._group_of = {dp: g for g in self.groups for dp in g.params}
         self._callback_queued = False
         self._handles: list[RemovableHandle] = []
@@ -197,23 +198,40 @@ class DMuonState:
     # Module hooks                                                         #
     # ------------------------------------------------------------------ #
     def _root_pre_forward(self) -> None:
-        if _in_backward():  # the whole model under activation checkpointing: not a new pass
+        if in_backward():  # the whole model under activation checkpointing: not a new pass
             return
         self.prefetcher.open_pass(torch.is_grad_enabled())
+        if self.training_pass.open_root():
+            self._sync_classes()
 
     def _root_post_forward(self) -> None:
-        if _in_backward():
+        if in_backward():
             return
         unused = self.prefetcher.close_pass()
         if unused is not None:  # guessed a boundary this pass never ran
             unused.reshard()
+        if self.training_pass.close_root(torch.is_grad_enabled()):
+            self._sync_classes()
+
+    def _sync_classes(self) -> None:
+        """The training pass opened or closed: every group re-sorts its params' classes (pointer writes)."""
+        for g in self.groups:
+            g.sync_classes()
+
+    def end_pass(self) -> None:
+        """Forwards whose backward never came are over (``step()``, the state-dict drains): owners read
+        their matrices freely again. See [Note: boundary windows] in ``dmuon/runtime/guard.py``."""
+        if self.training_pass.settle():
+            self._sync_classes()
 
     def _pre_forward(self, g: BoundaryGroup) -> None:
         if g.needs_bind():  # to_empty() replaced the params (checked per group: cheap on the hot path)
             self.bind_if_needed()
-        if _in_backward():  # activation-checkpoint recomputation
+        if in_backward():  # activation-checkpoint recomputation
             g.ensure_unsharded(CommKind.BACKWARD_BROADCAST)
             return
+        if self.training_pass.enter(g.fqn):  # a boundary called outside the root's forward
+            self._sync_classes()
         nxt = self.prefetcher.forward_guess(g)
         g.unshard(CommKind.FORWARD_BROADCAST)  # a no-op if it was prefetched
         if nxt is not None:
@@ -224,9 +242,12 @@ class DMuonState:
         g.wait_for_unshard()
 
     def _post_forward(self, g: BoundaryGroup, output: Any) -> Any:
-        if _in_backward():
+        if in_backward():
             return output
-        if not torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if self.training_pass.leave(g.fqn, grad):  # the pass of a boundary called alone ends (no grad)
+            self._sync_classes()
+        if not grad:
             if not g.backward_pending:  # no backward will need these copies
                 g.reshard()
             return output
@@ -279,6 +300,9 @@ class DMuonState:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        # The backward ran: no user code can read a weight before this returns, so the pass closes first
+        # and the deliveries and reshards below work on plain params (no guard dispatch on the way).
+        self.end_pass()
         self.prefetcher.reset_backward()
         for g in self.groups:  # also releases a backward prefetch whose backward never came
             if self.sync_grads:
@@ -330,6 +354,7 @@ class DMuonState:
     def reshard_all(self) -> None:
         """Drop every non-owner copy so the next forward broadcasts the freshly updated weights."""
         self.prefetcher.reset_backward()  # forwards that never got a backward (their graphs were dropped)
+        self.end_pass()
         for g in self.groups:
             g.finish_reduce()
             g.backward_pending = False
