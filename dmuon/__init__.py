@@ -30,7 +30,7 @@ from .optim.newton_schulz import newton_schulz
 from .optim import Muon
 from .partition import OwnerPlan
 from .runtime.group import GroupState
-from .runtime.guard import NotHeldError
+from .runtime.guard import NotHeldError, OutsideBoundaryError
 from .runtime.route import Route
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "OwnerPlan",
     "GroupState",
     "NotHeldError",
+    "OutsideBoundaryError",
     "Route",
     "broadcast_all_updates",
     "clip_grad_norm_",

@@ -94,7 +94,14 @@ class NotHeldError(RuntimeError):
 class OutsideBoundaryError(NotHeldError):
     """A dedicated parameter was read during a training pass outside its hook boundary's window. Raised on
     every rank alike, the owner's too, so that none goes on to wait in a collective for the others. See
-    [Note: boundary windows]."""
+    [Note: boundary windows].
+
+    Example::
+
+        loss = model(batch).loss + 1e-4 * model.layers[0].mlp.up_proj.weight.pow(2).sum()  # raises here
+        # fix: give dedicate_params a hook boundary that encloses every use of the matrix, or regularise
+        # inside the module's forward
+    """
 
 
 _tls = threading.local()
