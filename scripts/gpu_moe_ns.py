@@ -98,6 +98,31 @@ def experts(reps: int) -> list[dict]:
     return rows
 
 
+def sweep(reps: int) -> list[dict]:
+    """The expert layers' NS calls (momentum and step left out) per backend and chunk bound: what
+    :data:`dmuon.optim.update.NS_CHUNK_ELEMENTS` and ``"auto"`` should be. Chunks of at most
+    ``_graphs.MAX_ELEMENTS`` replay from CUDA graphs, larger ones run eagerly."""
+    import dmuon.optim.update as U
+
+    rows = []
+    for name, shapes in EXPERTS.items():
+        gen = torch.Generator("cuda").manual_seed(0)
+        grads = [torch.randn(s, device="cuda", dtype=torch.float32, generator=gen) for s in shapes]
+        blocks = Blocks.of(shapes[0])
+        for backend in ("auto", "direct", "direct_fp16", "gram"):
+            hp = MuonHParams(ns_backend=backend)
+            for chunk in (2**24, 2**26, 2**28, 2**31):
+                U.NS_CHUNK_ELEMENTS = chunk
+                ms = median_ms(lambda: [orthogonalise(g, hp, blocks) for g in grads], reps=reps)
+                extra = _peak_extra(lambda: [orthogonalise(g, hp, blocks) for g in grads])
+                rows.append({"name": name, "backend": backend, "chunk": chunk, "ms": ms, "extra GiB": extra})
+                print(f"{name} {backend:11s} chunk 2^{chunk.bit_length() - 1}: {ms:.2f} ms, {extra:.2f} GiB", flush=True)
+        U.NS_CHUNK_ELEMENTS = 2**26
+        del grads
+        torch.cuda.empty_cache()
+    return rows
+
+
 def single(reps: int) -> list[dict]:
     rows = []
     for shape in SINGLE:
@@ -116,8 +141,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sweep", action="store_true", help="only the backend x chunk sweep of the expert layers")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.sweep:
+        rows = sweep(args.reps)
+        with open(os.path.join(args.out, "moe_ns_sweep.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        return
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "experts": experts(args.reps), "single": single(args.reps)}
     with open(os.path.join(args.out, "moe_ns.json"), "w") as f:

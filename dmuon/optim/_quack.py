@@ -18,12 +18,23 @@ try:
 except Exception:  # noqa: BLE001 - optional: a missing or broken install leaves the Triton kernel in charge
     gemm = gemm_add = gemm_symmetric = None
 
-__all__ = ["QUACK_MIN_DIM", "available", "full_product", "why_not", "symmetric_product"]
+__all__ = ["QUACK_MIN_DIM", "QUACK_BATCHED_MIN_DIM", "QUACK_BATCHED_MIN_WORK", "QUACK_EAGER_MIN_WORK", "available",
+           "full_product", "why_not", "symmetric_product"]
 
 #: smallest ``m`` worth quack's kernel inside NS: measured on an H200 the whole NS call was slower with it
 #: than with cuBLAS's full products at m = 512 (4 x 512 x 2048: 1.16 ms against 0.34) and m = 1024
 #: (8 x 1024 x 4096, Gram form: 1.71 ms against 1.13), faster from m = 2048 (4 x 2048^2: 1.56 against 1.81)
 QUACK_MIN_DIM = 2048
+#: ...unless the call is a large batch (``batch m^2 n`` of at least :data:`QUACK_BATCHED_MIN_WORK`), as an
+#: expert share is: measured on an H200 (2026-12-02, ``scripts/gpu_moe_ns.py``), 3 x 128 experts of
+#: 768 x 2048 took 16.4 ms with quack against 21.2 with cuBLAS's products (gram-newton-schulz: 18.5), and
+#: 3 x 128 of 2048 x 768 17.6 against 21.3 (gns 18.4)
+QUACK_BATCHED_MIN_DIM = 512
+QUACK_BATCHED_MIN_WORK = 2**37
+#: an NS call run eagerly (not replayed from a CUDA graph) takes quack only with at least this much work:
+#: each quack launch costs host time that a small call cannot hide (a lone 2048 x 8192, eager: 3.77 ms with
+#: quack against 1.24 without and torch's 1.48; replayed from a graph, 0.90)
+QUACK_EAGER_MIN_WORK = 2**36
 
 
 @functools.lru_cache(maxsize=None)

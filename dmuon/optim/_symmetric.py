@@ -13,6 +13,10 @@ uses this. Pure tensor math, no ``torch.distributed``.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -24,7 +28,7 @@ try:
 except ImportError:  # the kernel is optional: without Triton, callers keep torch's matmuls
     triton = None
 
-__all__ = ["SYMMETRIC_MIN_DIM", "kernel_for", "poly_diagonal", "symmetric_product", "usable"]
+__all__ = ["SYMMETRIC_MIN_DIM", "kernel_for", "ns_call", "replayed", "poly_diagonal", "symmetric_product", "usable"]
 
 #: smallest ``m`` (rows of ``Y``) worth the kernel: at ``m = 512`` cuBLAS's full product was faster, and at
 #: ``m = 1024`` the whole Gram-form NS call was (8 x 1024 x 4096 on an H200: 1.77 ms against 1.17)
@@ -93,17 +97,51 @@ def _upper_pairs(tiles: int, device: torch.device) -> Tensor:
     return _PAIRS[key]
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype, m: int) -> tuple[str, str]:
+_call = threading.local()
+
+
+@contextmanager
+def ns_call(work: int) -> Iterator[None]:
+    """One Newton–Schulz call of ``work = batch m^2 n``: every product in it takes the same kernel, decided from
+    the call's size, never from one operand's (a Gram matrix has fewer columns than ``X``)."""
+    prev = getattr(_call, "work", None)
+    _call.work = work
+    try:
+        yield
+    finally:
+        _call.work = prev
+
+
+@contextmanager
+def replayed() -> Iterator[None]:
+    """The calls inside will be captured into a CUDA graph and replayed (:mod:`dmuon.optim._graphs`, its warm-up
+    included, so the capture finds every kernel compiled): host costs per launch do not count."""
+    prev = getattr(_call, "replayed", False)
+    _call.replayed = True
+    try:
+        yield
+    finally:
+        _call.replayed = prev
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, m: int, work: int | None = None) -> tuple[str, str]:
     """Which kernel forms ``Y Y^T``-like products of ``m`` rows on ``device`` in ``dtype``, and why:
-    ``"quack"`` (Hopper+, installed, ``m >= QUACK_MIN_DIM``), ``"triton"`` (CUDA, Triton importable,
-    ``m >= SYMMETRIC_MIN_DIM``), or ``"torch"`` (the full product). The one place this is decided."""
+    ``"quack"`` (Hopper+, installed; ``m >= QUACK_MIN_DIM``, or a large batch from ``QUACK_BATCHED_MIN_DIM``;
+    an eager call only with enough work to hide quack's host cost), ``"triton"`` (CUDA, Triton importable,
+    ``m >= SYMMETRIC_MIN_DIM``), or ``"torch"`` (the full product). ``work`` (``batch m^2 n`` of the NS call)
+    defaults to the enclosing :func:`ns_call`'s. The one place this is decided."""
     if device.type != "cuda":
         return "torch", f"{device.type}: torch's products"
     if dtype not in (torch.bfloat16, torch.float16):
         return "torch", f"{dtype}: the symmetric kernels take 16-bit floats"
+    work = getattr(_call, "work", None) if work is None else work
+    graph = getattr(_call, "replayed", False)
     quack_no = _quack.why_not(device)
-    if quack_no is None and m >= _quack.QUACK_MIN_DIM:
-        return "quack", "quack's symmetric GEMM (Hopper+)"
+    big = work is not None and work >= _quack.QUACK_BATCHED_MIN_WORK
+    if quack_no is None and (m >= _quack.QUACK_MIN_DIM or (big and m >= _quack.QUACK_BATCHED_MIN_DIM)):
+        if graph or work is None or work >= _quack.QUACK_EAGER_MIN_WORK:
+            return "quack", "quack's symmetric GEMM (Hopper+)" + ("" if m >= _quack.QUACK_MIN_DIM else ", a large batch")
+        quack_no = "an eager call too small to hide quack's launch cost"
     if triton is not None and m >= SYMMETRIC_MIN_DIM:
         return "triton", f"Triton's symmetric kernel ({quack_no or 'quack below its size'})"
     if m < SYMMETRIC_MIN_DIM:

@@ -324,7 +324,22 @@ def newton_schulz_native(
     schedule = _validate(G, steps, coefficients, eps)
     resolved = resolve_backend(G.shape, backend, device=G.device)
     per_step = [schedule[min(k, len(schedule) - 1)] for k in range(steps)]
+    if G.is_cuda and backend == "auto":  # one kernel choice for every product of this call
+        from ._symmetric import ns_call
 
+        with ns_call(_work(G.shape)):
+            return _newton_schulz_native(G, per_step, eps, backend, resolved, steps)
+    return _newton_schulz_native(G, per_step, eps, backend, resolved, steps)
+
+
+def _work(shape: tuple[int, ...] | torch.Size) -> int:
+    """``batch m^2 n`` of a call on ``shape`` (``m`` its short side): what its products cost."""
+    short, long = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * short * short * long
+
+
+def _newton_schulz_native(G: Tensor, per_step: list[tuple[float, float, float]], eps: float, backend: str,
+                          resolved: str, steps: int) -> Tensor:
     transpose = G.shape[-2] > G.shape[-1]
     if resolved == "direct":
         X = G.bfloat16()
@@ -377,7 +392,7 @@ def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
     else:
         from . import _symmetric
 
-        kernel, why = _symmetric.kernel_for(dev, dtype, min(shape[-2:]))
+        kernel, why = _symmetric.kernel_for(dev, dtype, min(shape[-2:]), _work(shape))
     return {"form": form, "dtype": str(dtype).removeprefix("torch."), "symmetric_products": kernel, "why": why}
 
 

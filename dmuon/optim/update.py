@@ -39,9 +39,12 @@ __all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_updat
 #: and a call's float16 copy of its input and its products scale with the batch, so larger groups run in
 #: chunks of at most this many elements (at least one matrix), and :func:`muon_update_batch_` stacks at
 #: most this many elements of updates at a time. The extra memory of a step is then bounded by a few times
-#: this (times 2 bytes) whatever the model, and per matrix the arithmetic is unchanged. 2**26: one chunk is
-#: small enough for :mod:`dmuon.optim._graphs` to replay, and large enough to keep the GPU busy.
-NS_CHUNK_ELEMENTS = 2**26
+#: this (times 2 bytes) whatever the model, and per matrix the arithmetic is unchanged. 2**28, measured on an
+#: H200 (2026-12-02, ``scripts/gpu_moe_ns.py --sweep``): a Qwen3-30B-A3B layer's experts (3 x 128 of 768 x
+#: 2048) took 23.4 ms in chunks of 2**26, 21.2 in 2**28 (and 16.4 with quack's kernel at that batch), with
+#: 1.1 against 2.3 GiB of workspace; a DeepSeek-V3 layer's share at EP=8 (3 x 32 of 2048 x 7168) 70.9 against
+#: 61.7 ms, 2.6 against 4.6 GiB (gram-newton-schulz: 64.7 ms, 6.5 GiB). Larger chunks gained nothing more.
+NS_CHUNK_ELEMENTS = 2**28
 
 
 class AdjustLR(enum.Enum):
