@@ -7,7 +7,8 @@ class ... and your data"); these are small versions of exactly that, on the CPU:
   ``lm_head``) whose ``model(batch)`` takes a dict and returns an object with ``.loss``;
 * ``dataloader``: this rank's batches, dicts of ``input_ids`` and ``labels``;
 * ``train_dataset``: a dataset of such dicts, one sample each, the same on every rank (Trainer splits it);
-* ``name``: a local folder with a tiny ``LlamaForCausalLM``, for ``from_pretrained(name)`` (no download).
+* ``name``: a local folder with a tiny ``LlamaForCausalLM``, for ``from_pretrained(name)`` (no download);
+* ``moe_name``: the same with a tiny ``Qwen3MoeForCausalLM`` (4 experts, fused ``gate_up_proj``).
 """
 
 from __future__ import annotations
@@ -65,5 +66,17 @@ def make(name: str, *, workdir: Path) -> object:
                                          max_position_embeddings=SEQ)).save_pretrained(path)
         dist.barrier()
         return str(path)
+    if name == "moe_name":
+        path = workdir / "tiny-qwen3-moe"
+        if dist.get_rank() == 0 and not path.exists():
+            from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+            torch.manual_seed(0)
+            cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ)
+            Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+        dist.barrier()
+        return str(path)
     raise KeyError(f"no stand-in called {name!r}; tests/_docs_stand_ins.py defines MyModel, dataloader, "
-                   f"train_dataset and name")
+                   f"train_dataset, name and moe_name")

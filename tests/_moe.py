@@ -1,5 +1,6 @@
 """Shared MoE scenarios: the tiny MoE model, its single-process oracle (torch's Muon on one 2-D parameter per
-expert slice and row block) and the dmuon run compared with it."""
+expert slice and row block; :func:`per_matrix_oracle` for any model, HF's in ``tests/test_hf_moe.py``) and the
+dmuon run compared with it."""
 
 from __future__ import annotations
 
@@ -45,10 +46,9 @@ def _blocks_fn(cfg: TinyMoEConfig) -> Callable[[str, nn.Parameter], int | None] 
     return expert_row_blocks if cfg.layout == "fused" else None
 
 
-def _slices(name: str, p: torch.Tensor, cfg: TinyMoEConfig) -> list[tuple]:
+def _slices(name: str, p: torch.Tensor, blocks_fn: Callable[[str, nn.Parameter], int | None] | None) -> list[tuple]:
     """Index tuples of every matrix of ``p``: each expert, and each row block of it."""
-    fn = _blocks_fn(cfg)
-    blocks = Blocks.of(p.shape, fn(name, p) if fn is not None else None)
+    blocks = Blocks.of(p.shape, blocks_fn(name, p) if blocks_fn is not None else None)
     rows = [(sum(blocks.rows[:i]), sum(blocks.rows[: i + 1])) for i in range(len(blocks.rows))]
     if p.ndim == 2:
         return [(slice(a, b),) for a, b in rows]
@@ -59,21 +59,33 @@ def _slices(name: str, p: torch.Tensor, cfg: TinyMoEConfig) -> list[tuple]:
 def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams = MUON_HP,
                      adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *, clip: float | None = None,
                      expert_lr: float | None = None) -> dict:
-    """One process: ``torch.optim.Muon`` on one 2-D parameter per matrix (per expert, per row block; its
-    gradient copied in, its result copied back), ``torch.optim.AdamW`` on the rest. ``accum``: the global
-    batch as that many accumulated parts (the oracle's own rounding floor, and the recipe's accumulation).
-    ``clip``: ``torch.nn.utils.clip_grad_norm_`` over every param first; ``expert_lr``: the experts' own
-    param group."""
+    """:func:`per_matrix_oracle` on the tiny MoE. ``accum``: the global batch as that many accumulated parts
+    (the oracle's own rounding floor, and the recipe's accumulation). ``clip``:
+    ``torch.nn.utils.clip_grad_norm_`` over every param first; ``expert_lr``: the experts' own param group."""
     torch.manual_seed(0)
+    model = build_moe(cfg).to(device())
+    return per_matrix_oracle(model, expert_predicate, _blocks_fn(cfg), lambda m, tok, tgt: m(tok, tgt).loss, steps,
+                             hp, adamw, accum, clip=clip, expert_lr=expert_lr)
+
+
+@rank_threads()
+def per_matrix_oracle(model: nn.Module, predicate: Callable[[str, nn.Parameter], bool],
+                      blocks_fn: Callable[[str, nn.Parameter], int | None] | None,
+                      loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], steps: int,
+                      hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *,
+                      clip: float | None = None, expert_lr: float | None = None) -> dict:
+    """One process: ``torch.optim.Muon`` on one 2-D parameter per matrix of every param ``predicate`` selects
+    (per expert, per row block of ``blocks_fn``; its gradient copied in, its result copied back),
+    ``torch.optim.AdamW`` on the rest, fed :func:`tests._training.batches` whole (``accum`` parts).
+    ``loss_of(model, tokens, targets)``: the loss of one batch. Any model: the tiny MoE, HF's."""
     dev = device()
-    model = build_moe(cfg).to(dev)
     shadows: list[tuple[torch.Tensor, tuple, nn.Parameter]] = []
     rest = []
     for name, p in model.named_parameters():
-        if not expert_predicate(name, p):
+        if not predicate(name, p):
             rest.append(p)
             continue
-        for idx in _slices(name, p, cfg):
+        for idx in _slices(name, p, blocks_fn):
             shadows.append((p, idx, nn.Parameter(p.detach()[idx].clone())))
     experts = [s for p, _, s in shadows if p.ndim == 3]
     dense = [s for p, _, s in shadows if p.ndim != 3]
@@ -89,7 +101,7 @@ def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams =
             p.grad = None
         loss = 0.0
         for part_tok, part_tgt in zip(tok.chunk(accum), tgt.chunk(accum)):
-            part = model(part_tok.to(dev), part_tgt.to(dev)).loss / accum
+            part = loss_of(model, part_tok.to(dev), part_tgt.to(dev)) / accum
             part.backward()
             loss += part.detach()
         if clip is not None:

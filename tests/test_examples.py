@@ -134,3 +134,16 @@ def test_tp_recipe_runs_under_torchrun() -> None:
     match = re.search(r"tp_dmuon: OK dp=1 x tp=2, loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
     assert match, proc.stdout
     assert float(match.group(2)) < float(match.group(1))
+
+
+def test_moe_recipe_runs_as_plain_python() -> None:
+    """examples/moe_dmuon.py: a HF Qwen3-MoE with learned routing, its experts on FSDP2's shards (2 of 4 per rank),
+    the loss down by its margin, and ``save_pretrained`` of the trained model reloading to the same loss."""
+    pytest.importorskip("transformers")
+    proc = _run(["examples/moe_dmuon.py"])
+    assert "starting 2 local ranks" in proc.stdout, proc.stdout
+    assert ("model.layers.0.mlp.experts.gate_up_proj [4x192x128]: Muon on FSDP2's shards of the expert dim "
+            "(rank 0: experts 0..1, rank 1: experts 2..3)") in proc.stdout, proc.stdout
+    match = re.search(r"moe_dmuon \(shards\): OK loss (\d+\.\d+) -> (\d+\.\d+) \(mean of the last 3\), -(\d+)% "
+                      r"\(needs -20%\); reloaded from save_pretrained: loss (\d+\.\d+) vs (\d+\.\d+)", proc.stdout)
+    assert match and int(match.group(3)) >= 20, proc.stdout
