@@ -31,9 +31,9 @@ QUACK_MIN_DIM = 2048
 #: 3 x 128 of 2048 x 768 17.6 against 21.3 (gns 18.4)
 QUACK_BATCHED_MIN_DIM = 512
 QUACK_BATCHED_MIN_WORK = 2**37
-#: an NS call run eagerly (not replayed from a CUDA graph) takes quack only with at least this much work:
-#: each quack launch costs host time that a small call cannot hide (a lone 2048 x 8192, eager: 3.77 ms with
-#: quack against 1.24 without and torch's 1.48; replayed from a graph, 0.90)
+#: an NS call run eagerly (not replayed from a CUDA graph) takes a symmetric kernel only with at least this much
+#: work: each quack launch costs host time that a small call cannot hide (a lone 2048 x 8192, eager: 3.77 ms
+#: with quack against 1.24 with cuBLAS's products and torch's 1.48; replayed from a graph, 0.90)
 QUACK_EAGER_MIN_WORK = 2**36
 
 

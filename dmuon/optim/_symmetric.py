@@ -126,9 +126,9 @@ def replayed() -> Iterator[None]:
 
 def kernel_for(device: torch.device, dtype: torch.dtype, m: int, work: int | None = None) -> tuple[str, str]:
     """Which kernel forms ``Y Y^T``-like products of ``m`` rows on ``device`` in ``dtype``, and why:
-    ``"quack"`` (Hopper+, installed; ``m >= QUACK_MIN_DIM``, or a large batch from ``QUACK_BATCHED_MIN_DIM``;
-    an eager call only with enough work to hide quack's host cost), ``"triton"`` (CUDA, Triton importable,
-    ``m >= SYMMETRIC_MIN_DIM``), or ``"torch"`` (the full product). ``work`` (``batch m^2 n`` of the NS call)
+    ``"quack"`` (Hopper+, installed; ``m >= QUACK_MIN_DIM``, or a large batch from ``QUACK_BATCHED_MIN_DIM``),
+    ``"triton"`` (CUDA, Triton importable, ``m >= SYMMETRIC_MIN_DIM``), or ``"torch"`` (the full product; also
+    for an eager call with too little work to hide the kernels' launch costs, ``QUACK_EAGER_MIN_WORK``). ``work`` (``batch m^2 n`` of the NS call)
     defaults to the enclosing :func:`ns_call`'s. The one place this is decided."""
     if device.type != "cuda":
         return "torch", f"{device.type}: torch's products"
@@ -136,12 +136,14 @@ def kernel_for(device: torch.device, dtype: torch.dtype, m: int, work: int | Non
         return "torch", f"{dtype}: the symmetric kernels take 16-bit floats"
     work = getattr(_call, "work", None) if work is None else work
     graph = getattr(_call, "replayed", False)
+    if not graph and work is not None and work < _quack.QUACK_EAGER_MIN_WORK:
+        # measured on an H200: a lone 2048 x 8192 run eagerly took 1.76 ms with Triton's kernel, 1.05 with
+        # cuBLAS's products (torch's own NS: 1.43)
+        return "torch", "an eager call too small for the symmetric kernels: cuBLAS's full products are faster"
     quack_no = _quack.why_not(device)
     big = work is not None and work >= _quack.QUACK_BATCHED_MIN_WORK
     if quack_no is None and (m >= _quack.QUACK_MIN_DIM or (big and m >= _quack.QUACK_BATCHED_MIN_DIM)):
-        if graph or work is None or work >= _quack.QUACK_EAGER_MIN_WORK:
-            return "quack", "quack's symmetric GEMM (Hopper+)" + ("" if m >= _quack.QUACK_MIN_DIM else ", a large batch")
-        quack_no = "an eager call too small to hide quack's launch cost"
+        return "quack", "quack's symmetric GEMM (Hopper+)" + ("" if m >= _quack.QUACK_MIN_DIM else ", a large batch")
     if triton is not None and m >= SYMMETRIC_MIN_DIM:
         return "triton", f"Triton's symmetric kernel ({quack_no or 'quack below its size'})"
     if m < SYMMETRIC_MIN_DIM:
