@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import Tensor
@@ -101,27 +101,25 @@ _call = threading.local()
 
 
 @contextmanager
-def ns_call(work: int) -> Iterator[None]:
+def _scoped(name: str, value: object) -> Iterator[None]:
+    prev = getattr(_call, name, None)
+    setattr(_call, name, value)
+    try:
+        yield
+    finally:
+        setattr(_call, name, prev)
+
+
+def ns_call(work: int) -> AbstractContextManager[None]:
     """One Newton–Schulz call of ``work = batch m^2 n``: every product in it takes the same kernel, decided from
     the call's size, never from one operand's (a Gram matrix has fewer columns than ``X``)."""
-    prev = getattr(_call, "work", None)
-    _call.work = work
-    try:
-        yield
-    finally:
-        _call.work = prev
+    return _scoped("work", work)
 
 
-@contextmanager
-def replayed() -> Iterator[None]:
+def replayed() -> AbstractContextManager[None]:
     """The calls inside will be captured into a CUDA graph and replayed (:mod:`dmuon.optim._graphs`, its warm-up
     included, so the capture finds every kernel compiled): host costs per launch do not count."""
-    prev = getattr(_call, "replayed", False)
-    _call.replayed = True
-    try:
-        yield
-    finally:
-        _call.replayed = prev
+    return _scoped("replayed", True)
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, m: int, work: int | None = None) -> tuple[str, str]:
