@@ -20,6 +20,7 @@ from dmuon.runtime.blocks import Blocks
 from dmuon.tools.moe import TinyMoE, TinyMoEConfig, apply_expert_parallel, expert_predicate, expert_row_blocks
 from tests._dist import DEVICE_TYPE, device, rank_threads
 from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, full_weights, muon_kwargs
+from tests._variants import reference_optimizer
 
 #: 2 MoE layers of 4 experts (top-2), experts 96 x 128 (not square: the lr rule reads each expert's own shape),
 #: a shared expert; vocabulary and batch as the dense parity tests. Fixed routing: learned top-k routing turns
@@ -59,8 +60,9 @@ def _slices(name: str, p: torch.Tensor, cfg: TinyMoEConfig) -> list[tuple]:
 def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams = MUON_HP,
                      adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *, clip: float | None = None,
                      expert_lr: float | None = None) -> dict:
-    """One process: ``torch.optim.Muon`` on one 2-D parameter per matrix (per expert, per row block; its
-    gradient copied in, its result copied back), ``torch.optim.AdamW`` on the rest. ``accum``: the global
+    """One process: ``torch.optim.Muon`` (or, for a variant's ``hp``, its reference: ``tests/_variants.py``) on one
+    2-D parameter per matrix (per expert, per row block; its gradient copied in, its result copied back),
+    ``torch.optim.AdamW`` on the rest. ``accum``: the global
     batch as that many accumulated parts (the oracle's own rounding floor, and the recipe's accumulation).
     ``clip``: ``torch.nn.utils.clip_grad_norm_`` over every param first; ``expert_lr``: the experts' own
     param group."""
@@ -78,9 +80,12 @@ def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams =
     experts = [s for p, _, s in shadows if p.ndim == 3]
     dense = [s for p, _, s in shadows if p.ndim != 3]
     groups = [{"params": dense}, {"params": experts, **({"lr": expert_lr} if expert_lr is not None else {})}]
-    opt_m = torch.optim.Muon(groups, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
-                             nesterov=hp.nesterov, ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps,
-                             eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value)
+    if hp.ALGORITHM != "muon" or hp.cautious_weight_decay:  # a variant: its oracle from the paper's formulas
+        opt_m = reference_optimizer(groups, hp)
+    else:
+        opt_m = torch.optim.Muon(groups, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
+                                 nesterov=hp.nesterov, ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps,
+                                 eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value)
     opt_a = torch.optim.AdamW(rest, **adamw.group_entries())
     losses = []
     for tok, tgt in batches(steps):
