@@ -37,6 +37,7 @@ from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from . import sharded as engine_muon
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
+from .qk_clip import QKClip, QKClipper
 from .rules import hparams_of, muon_record, rule_of
 from .update import AdamWHParams
 
@@ -218,7 +219,7 @@ class Muon(torch.optim.Optimizer):
         ns_backend: str = "auto",
         master_dtype: torch.dtype | None = None,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
-        qk_clip: Any = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -241,6 +242,8 @@ class Muon(torch.optim.Optimizer):
         self._muon_defaults, self._adamw_defaults, self._muon_values = muon_hp, adamw_hp, values
         self._ddp = ddp
         resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
+        #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
+        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, model, state)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
         self._check_sharded([g for g, _ in internal], state)
@@ -531,6 +534,7 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_since_build()
         state.wait_all_reduces()
         state.end_pass()  # a forward whose backward never came: owners update their matrices all the same
+        maxima = None if self.qk_clip is None else self.qk_clip.gather()  # (raises before anything changes)
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":
@@ -541,6 +545,8 @@ class Muon(torch.optim.Optimizer):
                     if p.grad is None and grad is not None:
                         p.grad = grad.to(p.dtype)
         self._adamw.step()
+        if maxima is not None:
+            self.qk_clip.apply_(maxima, self._update_target)  # type: ignore[union-attr]
         self._check_pending = False
         state.publish_updates()
         if not self.replicate_async:
