@@ -134,3 +134,14 @@ def test_tp_recipe_runs_under_torchrun() -> None:
     match = re.search(r"tp_dmuon: OK dp=1 x tp=2, loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
     assert match, proc.stdout
     assert float(match.group(2)) < float(match.group(1))
+
+
+def test_normuon_qkclip_recipe_runs_as_plain_python() -> None:
+    """NorMuon + cautious decay + QK-clip: the loss falls, heads are clipped, and the run matches one process
+    with the paper-formula NorMuon and the clip by hand (docs/guides/qk-clip.md)."""
+    proc = _run(["examples/normuon_qkclip.py"])
+    match = re.search(r"normuon_qkclip: OK loss \S+ -> \S+ \(mean of the last 3\), -(\d+)% \(needs -20%\); QK-clip "
+                      r"clipped (\d+) heads over 10 steps; per-step losses against one process \(NorMuon reference "
+                      r"\+ hand clip\): worst step (\S+) \(bound 3e-04\)", proc.stdout)
+    assert match and int(match.group(1)) >= 20 and int(match.group(2)) > 0 and float(match.group(3)) <= 3e-4, \
+        proc.stdout

@@ -287,3 +287,34 @@ def test_hf_attention_reports_and_matches_sdpa():
     heads = find_heads(model, {})
     assert [(h.module, h.n_heads, h.n_kv_heads, h.head_dim) for h in heads] == [
         (f"model.layers.{i}.self_attn", 4, 2, 16) for i in range(2)]
+
+
+def test_torchtitan_attention_reports_and_its_fused_heads_are_found():
+    """torchtitan's debug Llama (fused, per-group interleaved wqkv): the pre-hook's maxima are the logits of the
+    query and key rows QKHeads points at."""
+    pytest.importorskip("torchtitan")
+    from dmuon.integrations.torchtitan import report_max_logits
+    from dmuon.optim.qk_clip import find_heads
+    from tests.test_torchtitan import N_HEADS, N_KV_HEADS, SEQ, _cpu_torchtitan, tiny_llama3_config
+
+    _cpu_torchtitan()
+    torch.manual_seed(0)
+    model = tiny_llama3_config().build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    report_max_logits(model)
+    tok = torch.randint(0, 64, (2, SEQ))
+    inputs = {}
+    att = model.layers["0"].attention if isinstance(model.layers, torch.nn.ModuleDict) else model.layers[0].attention
+    att.inner_attention.register_forward_pre_hook(lambda m, a: inputs.update(q=a[0], k=a[1]))
+    model(tok)
+    got = getattr(att, RECORD_ATTR)
+    want = dmuon.qk_clip.max_logits(inputs["q"].transpose(1, 2), inputs["k"].transpose(1, 2), is_causal=True)
+    assert torch.equal(got, want) and got.shape == (N_HEADS,)
+    (heads, *_) = [h for h in find_heads(model, {}) if h.module.endswith("0.attention")]
+    assert (heads.n_heads, heads.n_kv_heads) == (N_HEADS, N_KV_HEADS) and heads.q == heads.k
+    w = att.qkv_linear.wqkv.weight
+    hd, per = heads.head_dim, N_HEADS // N_KV_HEADS
+    rows = w.view(N_KV_HEADS, per + 2, hd, -1)  # torchtitan's layout: per group, its query heads, k, v
+    assert torch.equal(w[heads.query_rows()[per]:heads.query_rows()[per] + hd], rows[1, 0])
+    assert torch.equal(w[heads.key_rows()[1]:heads.key_rows()[1] + hd], rows[1, per])

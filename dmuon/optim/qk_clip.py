@@ -163,11 +163,12 @@ def find_heads(model: nn.Module, dedicated: dict[str, DedicatedParam]) -> list[Q
     its head layout read from its attributes (``n_heads`` / ``num_heads`` / ``num_attention_heads``,
     ``n_kv_heads`` / ``num_key_value_heads``, ``head_dim``; also on its ``config`` or ``cfg``). Raises
     ``ValueError`` for a module whose layout it cannot read. ``dedicated``: by FQN, for fused row blocks."""
-    out = []
-    for name, module in model.named_modules():
-        found = _projections(module)
-        if found is None:
+    out, taken = [], []
+    for name, module in model.named_modules():  # parents first: a projection container inside a found
+        found = _projections(module)               # attention (torchtitan's qkv_linear) is not one itself
+        if found is None or any(name.startswith(f"{t}.") for t in taken):
             continue
+        taken.append(name)
         kind, q, k = found
         where = f"dmuon.QKClip: attention {name!r}"
         n_heads = _attr(module, "n_heads", "num_heads", "num_attention_heads")
@@ -227,14 +228,15 @@ class QKClipper:
         if not isinstance(config, QKClip):
             raise TypeError(f"dmuon.Muon: qk_clip must be a dmuon.QKClip or None, got {type(config).__name__}")
         self.config, self._ctx = config, state.ctx
-        error, attentions = None, []
+        error: ValueError | None = None
+        attentions: list[_Attention] = []
         try:
             attentions = _resolve(config, model, state)
         except ValueError as e:  # every rank must reach the gather below, or the others wait in it
-            error = str(e)
-        views = C.all_gather_object(state.ctx, error)
+            error = e
+        views = C.all_gather_object(state.ctx, None if error is None else str(error))
         if error is not None:
-            raise ValueError(error)
+            raise error
         for rank, other in enumerate(views):
             if other is not None:
                 raise ValueError(f"dmuon.QKClip refused on rank {rank}: {other}")
