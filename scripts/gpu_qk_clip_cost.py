@@ -75,11 +75,16 @@ def timings(reps: int) -> list[dict]:
             out = fn(q, k, v)
             out.backward(grad)
 
-        with torch.enable_grad():
-            rows.append({"variant": name, "key heads": kv, "forward ms": median_ms(fwd, reps=reps),
-                         "forward+backward ms": median_ms(fwd_bwd, reps=reps)})
-    base = {r["key heads"]: r for r in rows if r["variant"].startswith("sdpa")}
+        try:
+            with torch.enable_grad():
+                rows.append({"variant": name, "key heads": kv, "forward ms": median_ms(fwd, reps=reps),
+                             "forward+backward ms": median_ms(fwd_bwd, reps=reps)})
+        except Exception as e:  # noqa: BLE001 - reported in the output, the other variants still run
+            rows.append({"variant": name, "key heads": kv, "error": f"{type(e).__name__}: {e}"})
+    base = {r["key heads"]: r for r in rows if r["variant"].startswith("sdpa") and "error" not in r}
     for r in rows:
+        if "error" in r or r["key heads"] not in base:
+            continue
         ref = base[r["key heads"]]
         r["forward x sdpa"] = r["forward ms"] / ref["forward ms"]
         r["forward+backward x sdpa"] = r["forward+backward ms"] / ref["forward+backward ms"]

@@ -114,6 +114,7 @@ def misuse_job(rank: int, world: int) -> dict:
         "bad_tau": lambda: dmuon.QKClip(tau=-1.0),
         "no_report": lambda: _step_without_reports(rank, world),
         "heads_on_rank1_only": lambda: _setup(world, heads=[] if rank == 1 else None),
+        "fused_without_blocks": lambda: _fused(world, None),
     }
     for case, fn in cases.items():
         try:
@@ -121,7 +122,33 @@ def misuse_job(rank: int, world: int) -> dict:
             out[case] = None
         except (TypeError, ValueError, RuntimeError) as e:
             out[case] = f"{type(e).__name__}: {e}"
+    out["fused_rows"] = _fused(world, lambda n, p: [32, 16, 16])  # q, k, v as row blocks
     return out
+
+
+class FusedAttention(torch.nn.Module):
+    """A fused ``[q; k; v]`` projection: 4 query heads, 2 key heads of 8 rows."""
+
+    n_heads, n_kv_heads, head_dim = 4, 2, 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(16, 64, bias=False)
+
+
+class FusedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"attn": FusedAttention()})])
+
+
+def _fused(world: int, blocks) -> list:
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = FusedNet().to(device())
+    dmuon.dedicate_params(model, mesh, lambda n, p: "qkv" in n, blocks=blocks, verbose=False)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, qk_clip=dmuon.QKClip())
+    return [(a.heads.query_rows(), a.heads.key_rows()) for a in opt.qk_clip._attentions]
 
 
 def _no_attention(world: int, net_cls) -> None:
@@ -222,6 +249,8 @@ MISUSE = {
     "undedicated": "its query matrix 'layers.0.attention.q_proj.weight' is not dedicated, so on FSDP2 + AdamW",
     "bad_tau": "ValueError: dmuon.QKClip: tau must be a finite number > 0, got -1.0",
     "no_report": "RuntimeError: dmuon.QKClip: no attention module reported its largest logits",
+    "fused_without_blocks": "fused projection 'layers.0.attn.qkv_proj.weight' needs row blocks that end where the "
+                            "query rows (32) and the key rows (48) end",
 }
 
 
@@ -234,6 +263,11 @@ def misuse() -> list[dict]:
 def test_misuse_raises_a_clear_error_on_every_rank(misuse, case):
     for rank, res in enumerate(misuse):
         assert res[case] is not None and MISUSE[case] in res[case], (rank, res[case])
+
+
+def test_a_fused_projection_takes_its_heads_from_its_row_blocks(misuse):
+    for res in misuse:
+        assert res["fused_rows"] == [((0, 8, 16, 24), (32, 40))]
 
 
 def test_a_layout_refused_on_one_rank_raises_on_every_rank(misuse):

@@ -146,8 +146,9 @@ class Muon(torch.optim.Optimizer):
         param_groups: groups the ``torch.optim`` way, each a dict with ``"params"`` (parameters as they are
             after ``fully_shard``, ``(name, param)`` pairs or FQNs), optionally ``"use_muon"`` (default:
             True when every param of the group is dedicated, False when none is), ``"name"``, and any
-            hyperparameter of its algorithm: Muon's ``lr``, ``momentum``, ``nesterov``, ``ns_steps``,
-            ``ns_coefficients``, ``eps``, ``weight_decay``, ``adjust_lr_fn``, ``ns_backend``, or AdamW's
+            ``"algorithm"``, and any hyperparameter of its algorithm: Muon's ``lr``, ``momentum``, ``nesterov``,
+            ``ns_steps``, ``ns_coefficients``, ``eps``, ``weight_decay``, ``adjust_lr_fn``, ``ns_backend``,
+            ``cautious_weight_decay`` (NorMuon's: those and ``beta2``, ``normuon_eps``, ``rms_target``), or AdamW's
             ``lr``, ``betas``, ``eps``, ``weight_decay``. Unset ones take this constructor's values
             (``adamw_*`` for AdamW groups). Params no group names take the defaults. A param in two groups,
             a dedicated matrix in an AdamW group, a non-dedicated or non-2-D param in a Muon group, an
