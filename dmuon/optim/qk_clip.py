@@ -108,7 +108,13 @@ class QKClip:
 
 @dataclass
 class QKClipStats:
-    """What the last ``step()`` found: how many query heads it clipped, of how many, and the largest logit."""
+    """What the last ``step()`` found: how many query heads it clipped, of how many, and the largest logit.
+
+    Example::
+
+        stats = optimizer.qk_clip.stats  # or dmuon.diagnostics.qk_clip(optimizer), as a dict
+        print(stats.step, stats.clipped_heads, stats.heads, stats.max_logit)
+    """
 
     step: int = 0
     clipped_heads: int = 0
@@ -162,7 +168,13 @@ def find_heads(model: nn.Module, dedicated: dict[str, DedicatedParam]) -> list[Q
     """Every attention module of ``model`` whose query and key projections are found (module docstring), with
     its head layout read from its attributes (``n_heads`` / ``num_heads`` / ``num_attention_heads``,
     ``n_kv_heads`` / ``num_key_value_heads``, ``head_dim``; also on its ``config`` or ``cfg``). Raises
-    ``ValueError`` for a module whose layout it cannot read. ``dedicated``: by FQN, for fused row blocks."""
+    ``ValueError`` for a module whose layout it cannot read. ``dedicated``: by FQN, for fused row blocks.
+
+    Example::
+
+        for heads in find_heads(model, {}):  # what dmuon.QKClip() would clip (fused projections need dedicated)
+            print(heads.module, heads.n_heads, heads.n_kv_heads, heads.head_dim)
+    """
     out, taken = [], []
     for name, module in model.named_modules():  # parents first: a projection container inside a found
         found = _projections(module)               # attention (torchtitan's qkv_linear) is not one itself
@@ -222,7 +234,13 @@ class _Attention:
 class QKClipper:
     """QK-clip bound to one model and optimizer (``Muon.qk_clip``): :meth:`gather` at the start of ``step()``,
     :meth:`apply_` after the updates; :attr:`stats` of the last step. Built collectively: a layout one rank
-    cannot resolve raises on every rank."""
+    cannot resolve raises on every rank. ``dmuon.Muon`` builds and drives it.
+
+    Example::
+
+        optimizer = dmuon.Muon(model, qk_clip=dmuon.QKClip(tau=50.0))
+        print(optimizer.qk_clip.config.tau, optimizer.qk_clip.stats.heads)
+    """
 
     def __init__(self, config: QKClip, model: nn.Module, state: Any) -> None:
         if not isinstance(config, QKClip):

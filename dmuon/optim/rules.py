@@ -41,7 +41,12 @@ ADAMW = "adamw"
 
 
 class Algorithm(enum.Enum):
-    """The Muon-family update rules a param group can take (``"algorithm"``)."""
+    """The Muon-family update rules a param group can take (``"algorithm"``).
+
+    Example::
+
+        Algorithm.parse("NorMuon")   # Algorithm.NORMUON; "normun" raises naming 'normuon'
+    """
 
     MUON = "muon"
     NORMUON = "normuon"
@@ -86,7 +91,15 @@ MOMENTUM = StateSpec("momentum_buffer")
 
 class UpdateRule:
     """One algorithm: its record, its state, its updates. The functions are looked up in their modules at call
-    time, so a test that swaps one for a wrong variant reaches every route."""
+    time, so a test that swaps one for a wrong variant reaches every route.
+
+    Example::
+
+        rule = RULES[Algorithm.NORMUON]
+        st = {}
+        rule.init_state_(st, w, w.dtype)          # momentum_buffer, row_second_moment
+        rule.update_([w], [g], [st], NorMuonHParams(lr=0.01))
+    """
 
     def __init__(self, algorithm: Algorithm, hparams: type[MuonHParams], state: tuple[StateSpec, ...]):
         self.algorithm, self.hparams, self.state = algorithm, hparams, state
