@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from . import diagnostics
+from . import diagnostics, qk_clip
 from ._patch import install_patch, is_patch_installed, uninstall_patch
 from .accumulate import no_sync
 from .api import (
@@ -28,6 +28,7 @@ from .checkpoint import (
 from .dedicate import dedicate_params
 from .optim.newton_schulz import newton_schulz
 from .optim import Muon
+from .optim.qk_clip import QKClip, QKHeads
 from .partition import OwnerPlan
 from .runtime.group import GroupState
 from .runtime.guard import NotHeldError, OutsideBoundaryError
@@ -35,6 +36,8 @@ from .runtime.route import Route
 
 __all__ = [
     "Muon",
+    "QKClip",
+    "QKHeads",
     "OwnerPlan",
     "GroupState",
     "NotHeldError",
@@ -54,6 +57,7 @@ __all__ = [
     "is_patch_installed",
     "newton_schulz",
     "no_sync",
+    "qk_clip",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",

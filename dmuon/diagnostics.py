@@ -37,7 +37,8 @@ from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .runtime.hooks import get_state
 
-__all__ = ["CommKind", "CommCounter", "Summary", "comm_counts", "reset_comm_counts", "ns_backends", "summarize"]
+__all__ = ["CommKind", "CommCounter", "Summary", "comm_counts", "reset_comm_counts", "ns_backends", "qk_clip",
+           "summarize"]
 
 
 def _counter(model: nn.Module) -> CommCounter:
@@ -82,6 +83,21 @@ def ns_backends(optimizer: Muon) -> list[dict[str, Any]]:
         raise TypeError(f"dmuon.diagnostics.ns_backends needs a dmuon.Muon, got {type(optimizer).__name__}")
     return [{"shape": (n, *shape), **explain((n, *shape), backend, device=device)}
             for (n, shape, backend, device, _) in _ns_calls(optimizer)]
+
+
+def qk_clip(optimizer: Muon) -> dict[str, Any] | None:
+    """What the last ``step()``'s QK-clip did (``None`` when the optimizer has no ``qk_clip``): ``"clipped_heads"``
+    of ``"heads"`` query heads, ``"max_logit"`` (the largest over every head and rank), per attention module
+    the ``"clipped"`` head indices and every head's ``"max_logits"``. The same on every rank. Local.
+
+    Example::
+
+        stats = dmuon.diagnostics.qk_clip(optimizer)
+        print(f"step {stats['step']}: {stats['clipped_heads']} heads clipped, largest logit {stats['max_logit']:.1f}")
+    """
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"dmuon.diagnostics.qk_clip needs a dmuon.Muon, got {type(optimizer).__name__}")
+    return None if optimizer.qk_clip is None else optimizer.qk_clip.stats.as_dict()
 
 
 def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.device, int]]:

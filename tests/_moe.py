@@ -21,6 +21,7 @@ from dmuon.runtime.blocks import Blocks
 from dmuon.tools.moe import TinyMoE, TinyMoEConfig, apply_expert_parallel, expert_predicate, expert_row_blocks
 from tests._dist import DEVICE_TYPE, device, rank_threads
 from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, full_weights, muon_kwargs
+from tests._variants import reference_optimizer
 
 #: 2 MoE layers of 4 experts (top-2), experts 96 x 128 (not square: the lr rule reads each expert's own shape),
 #: a shared expert; vocabulary and batch as the dense parity tests. Fixed routing: learned top-k routing turns
@@ -74,7 +75,8 @@ def per_matrix_oracle(model: nn.Module, predicate: Callable[[str, nn.Parameter],
                       loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], steps: int,
                       hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *,
                       clip: float | None = None, expert_lr: float | None = None) -> dict:
-    """One process: ``torch.optim.Muon`` on one 2-D parameter per matrix of every param ``predicate`` selects
+    """One process: ``torch.optim.Muon`` (or, for a variant's ``hp``, its reference: ``tests/_variants.py``) on
+    one 2-D parameter per matrix of every param ``predicate`` selects
     (per expert, per row block of ``blocks_fn``; its gradient copied in, its result copied back),
     ``torch.optim.AdamW`` on the rest, fed :func:`tests._training.batches` whole (``accum`` parts).
     ``loss_of(model, tokens, targets)``: the loss of one batch. Any model: the tiny MoE, HF's."""
@@ -90,9 +92,12 @@ def per_matrix_oracle(model: nn.Module, predicate: Callable[[str, nn.Parameter],
     experts = [s for p, _, s in shadows if p.ndim == 3]
     dense = [s for p, _, s in shadows if p.ndim != 3]
     groups = [{"params": dense}, {"params": experts, **({"lr": expert_lr} if expert_lr is not None else {})}]
-    opt_m = torch.optim.Muon(groups, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
-                             nesterov=hp.nesterov, ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps,
-                             eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value)
+    if hp.ALGORITHM != "muon" or hp.cautious_weight_decay:  # a variant: its oracle from the paper's formulas
+        opt_m = reference_optimizer(groups, hp)
+    else:
+        opt_m = torch.optim.Muon(groups, lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum,
+                                 nesterov=hp.nesterov, ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps,
+                                 eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value)
     opt_a = torch.optim.AdamW(rest, **adamw.group_entries())
     losses = []
     for tok, tgt in batches(steps):

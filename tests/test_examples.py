@@ -147,3 +147,14 @@ def test_moe_recipe_runs_as_plain_python() -> None:
     match = re.search(r"moe_dmuon \(shards\): OK loss (\d+\.\d+) -> (\d+\.\d+) \(mean of the last 3\), -(\d+)% "
                       r"\(needs -20%\); reloaded from save_pretrained: loss (\d+\.\d+) vs (\d+\.\d+)", proc.stdout)
     assert match and int(match.group(3)) >= 20, proc.stdout
+
+
+def test_normuon_qkclip_recipe_runs_as_plain_python() -> None:
+    """NorMuon + cautious decay + QK-clip: the loss falls, heads are clipped, and the run matches one process
+    with the paper-formula NorMuon and the clip by hand (docs/guides/qk-clip.md)."""
+    proc = _run(["examples/normuon_qkclip.py"])
+    match = re.search(r"normuon_qkclip: OK loss \S+ -> \S+ \(mean of the last 3\), -(\d+)% \(needs -20%\); QK-clip "
+                      r"clipped (\d+) heads over 10 steps; per-step losses against one process \(NorMuon reference "
+                      r"\+ hand clip\): worst step (\S+) \(bound 3e-04\)", proc.stdout)
+    assert match and int(match.group(1)) >= 20 and int(match.group(2)) > 0 and float(match.group(3)) <= 3e-4, \
+        proc.stdout

@@ -56,8 +56,7 @@ def _flattened(real):
 
 
 def moe_job(rank: int, world: int) -> dict:
-    import dmuon.optim.muon as muon_module
-    import dmuon.optim.sharded as sharded_module
+    import dmuon.optim.update as update_module  # every route's rule looks its update up here at call time
 
     out = {name: train_moe(rank, world, run) for name, run in RUNS.items()}
     if world != 2:
@@ -66,13 +65,13 @@ def moe_job(rank: int, world: int) -> dict:
     out["experts_on_adamw"] = train_moe(rank, world, MoERun(steps=STEPS, experts_on_adamw=True))
     out["fused_as_one"] = train_moe(rank, world, MoERun(steps=STEPS, cfg=replace(FUSED, layout="fused"),
                                                         ignore_blocks=True))
-    real = muon_module.muon_update_batch_
-    muon_module.muon_update_batch_ = sharded_module.muon_update_batch_ = _flattened(real)
+    real = update_module.muon_update_batch_
+    update_module.muon_update_batch_ = _flattened(real)
     try:
         out["flattened"] = train_moe(rank, world, RUNS["sharded_z3"])
         out["flattened_owner"] = train_moe(rank, world, RUNS["owner_z3"])
     finally:
-        muon_module.muon_update_batch_ = sharded_module.muon_update_batch_ = real
+        update_module.muon_update_batch_ = real
     return out
 
 

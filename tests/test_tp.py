@@ -126,9 +126,9 @@ def tp_job(rank: int, world: int, *, z3: bool = True, per_shard_ns: bool = False
     opt = dmuon.Muon(model, lr=LR, weight_decay=WD, ns_coefficients=KJ, ns_backend="direct", adamw_lr=ADAMW_LR,
                      adamw_weight_decay=0.01)
     if per_shard_ns:  # the deliberately wrong variant: NS of each shard by itself, nothing exchanged over "tp"
-        import dmuon.optim.muon as muon_module
+        import dmuon.optim.tp_update as tp_update_module
 
-        muon_module.muon_update_tp_ = _per_shard_update
+        tp_update_module.muon_update_tp_ = _per_shard_update  # (every rule looks its update up at call time)
     coord = mesh.get_coordinate()
     dp_rank = coord[0] * DP + coord[1] if replicate > 1 else coord[0]
     per = BATCH // (DP * replicate)
@@ -165,14 +165,14 @@ def _per_shard_update(params, grads, bufs, hp, *, full_shape, **_) -> None:
 
 
 def tp_jobs(rank: int, world: int) -> dict:
-    import dmuon.optim.muon as muon_module
+    import dmuon.optim.tp_update as tp_update_module
 
     out = {"z3": tp_job(rank, world), "z2": tp_job(rank, world, z3=False), "accum": tp_job(rank, world, accum=2)}
-    real = muon_module.muon_update_tp_
+    real = tp_update_module.muon_update_tp_
     try:
         out["per_shard"] = tp_job(rank, world, per_shard_ns=True)
     finally:
-        muon_module.muon_update_tp_ = real  # the wrong variant's patch must not outlive its run
+        tp_update_module.muon_update_tp_ = real  # the wrong variant's patch must not outlive its run
     return out
 
 

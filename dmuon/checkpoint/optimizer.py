@@ -13,7 +13,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
+from ..optim.rules import PER_ROW_KEYS, UpdateRule, rule_of
 from ..optim.sharded import master_dtype_of
+from ..runtime import comm as C
+from ..runtime.comm import CommKind
 from ..runtime.hooks import DMuonState, get_state
 from ..runtime.param import DedicatedParam, laid_out_like
 from ..runtime.route import Route
@@ -72,13 +75,30 @@ def _every_rank_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
     ]
 
 
-def _state_dtypes(opt: Any, name: str, p: torch.Tensor) -> dict[str, torch.dtype] | None:
-    """The state keys and dtypes of an every-rank param that Muon updates on the engine's shards (momentum, and a
-    ``master_dtype`` master); ``None`` for AdamW's (its moments take the param's dtype)."""
+def _state_dtypes(opt: Any, name: str, p: torch.Tensor, group: dict) -> dict[str, torch.dtype] | None:
+    """The state keys and dtypes of an every-rank param that Muon updates on the engine's shards (its update
+    rule's state, and a ``master_dtype`` master); ``None`` for AdamW's (its moments take the param's dtype)."""
     if name not in opt._layouts(opt._dmuon_state):
         return None
     master = master_dtype_of(p, opt.master_dtype)
-    return {"momentum_buffer": master or p.dtype, **({"master": master} if master is not None else {})}
+    return {**rule_of(group).state_dtypes(master or p.dtype), **({"master": master} if master is not None else {})}
+
+
+def _rules(opt: Any) -> dict[str, UpdateRule]:
+    """The update rule of every Muon param, by FQN (every rank's, from the group layout)."""
+    return {n: rule_of(g) for g, names in zip(opt.param_groups, opt.group_fqns()) if g["kind"] == "muon"
+            for n in names}
+
+
+def _per_row(dp: DedicatedParam, key: str) -> bool:
+    """A tensor-parallel matrix's per-row state (NorMuon's second moment): whole on every tp rank of the owner
+    slot, so it moves like a dedicated tensor without TP (no gather or split over "tp")."""
+    return dp.tp_dim is not None and key in PER_ROW_KEYS
+
+
+def _state_shape(full_shape: tuple[int, ...], key: str) -> tuple[int, ...]:
+    """The full shape of state ``key`` of a param of ``full_shape`` (a per-row one: one value per row)."""
+    return (*full_shape[:-1], 1) if key in PER_ROW_KEYS else full_shape
 
 
 def get_optimizer_state_dict(
@@ -132,12 +152,12 @@ def get_optimizer_state_dict(
             mine = dp.owner == ctx.rank
             if sharded:
                 if mine:
-                    st = {k: laid_out_like(v, dp.bound()) for k, v in opt.state[dp.param].items()}
+                    st = {k: v if _per_row(dp, k) else laid_out_like(v, dp.bound()) for k, v in opt.state[dp.param].items()}
                     out_state[dp.fqn] = {k: stage_copy(v, cpu_offload) for k, v in st.items()} if staged else st
                 continue
             out_state[dp.fqn] = {
-                k: finish(bcast_from_owner(state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape),
-                                           dtype, f"{dp.fqn}.{k}"))
+                k: finish((_bcast_rows if _per_row(dp, k) else bcast_from_owner)(
+                    state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape), dtype, f"{dp.fqn}.{k}"))
                 for k, shape, dtype in muon_meta[dp.fqn]
             }
         for name, p, _ in _every_rank_params(opt):
@@ -196,8 +216,20 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], ad
 
 
 def _item(dp: DedicatedParam, key: str) -> Item:
-    """A dedicated param's state tensor counts on its owner (a TP matrix's per shard, laid out like it)."""
-    return Item(key, dp.owner, dp.bound() if dp.tp_dim is not None else None)
+    """A dedicated param's state tensor counts on its owner (a TP matrix's per shard, laid out like it; its
+    per-row state, whole on each tp rank, on tp index 0)."""
+    return Item(key, dp.owner, dp.bound() if dp.tp_dim is not None and not _per_row(dp, key.rsplit(".", 1)[1])
+                else None)
+
+
+def _bcast_rows(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | None, shape: torch.Size,
+                dtype: torch.dtype, label: str) -> torch.Tensor:
+    """A TP matrix's per-row state whole on every rank from its owner (each tp index's row moves its own copy,
+    the same on all: nothing to gather over "tp"). Collective."""
+    ctx = state.ctx
+    buf = value.detach().to(ctx.device, copy=True) if dp.owner == ctx.rank else torch.empty(shape, dtype=dtype,
+                                                                                         device=ctx.device)
+    return C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
 
 
 def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
@@ -213,6 +245,11 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
         if not isinstance(g, Mapping) or g.get("kind") != mine["kind"]:
             errors.append(f"param group {i}: kind {g.get('kind') if isinstance(g, Mapping) else g!r} != {mine['kind']!r}")
             continue
+        if mine["kind"] == "muon" and g.get("algorithm", "muon") != mine["algorithm"]:
+            errors.append(f"param group {i} ({mine['name']!r}): algorithm {g.get('algorithm', 'muon')!r} != "
+                          f"{mine['algorithm']!r}; build dmuon.Muon with the algorithm it was saved with, or set the "
+                          "dict's 'algorithm' and drop the state keys the new one does not keep")
+            continue
         got = list(g.get("param_names", []))
         missing = [n for n in names if n not in set(got)]
         unexpected = [n for n in got if n not in set(names)]
@@ -225,7 +262,8 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
     full_shape = {dp.fqn: tuple(dp.full_shape or dp.shape) for dp in state.dedicated()}  # TP: the matrix's
     full_shape.update({name: tuple(p.shape) for name, p, _ in _every_rank_params(opt)})
     dtype_of = {name: p.dtype for name, p, _ in _every_rank_params(opt)}
-    every_rank_muon = {name: _state_dtypes(opt, name, p) for name, p, _ in _every_rank_params(opt)}
+    every_rank_muon = {name: _state_dtypes(opt, name, p, g) for name, p, g in _every_rank_params(opt)}
+    rules = _rules(opt)
     muon_dps = {dp.fqn: dp for dp in state.dedicated()}
     bad = []
     if not isinstance(st, Mapping):
@@ -240,7 +278,7 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
             bad.append(f"state of {name} is a {type(entry).__name__}, not a dict")
             continue
         dp = muon_dps.get(name)
-        allowed = every_rank_muon.get(name) if dp is None else _muon_state_dtypes(opt, dp)
+        allowed = every_rank_muon.get(name) if dp is None else _muon_state_dtypes(opt, dp, rules)
         for k, v in entry.items():
             want = allowed.get(k) if allowed is not None else dtype_of[name]
             if allowed is not None and k not in allowed:
@@ -249,8 +287,8 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
                     hint = ("; tensor-parallel matrices keep no master_dtype master yet: drop the 'master' "
                             "entries to load the rest (the weights then go on from the model dict's values)")
                 bad.append(f"{name}.{k} (Muon state holds only {' and '.join(sorted(allowed))}{hint})")
-            elif isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) != full_shape[name]:
-                bad.append(f"{name}.{k} shape {tuple(v.shape)} != {full_shape[name]}")
+            elif isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) != _state_shape(full_shape[name], k):
+                bad.append(f"{name}.{k} shape {tuple(v.shape)} != {_state_shape(full_shape[name], k)}")
             elif isinstance(v, torch.Tensor) and k != "step" and v.dtype != want:
                 bad.append(f"{name}.{k} dtype {v.dtype} != {want}")
             elif k == "step" and (not isinstance(v, (torch.Tensor, int, float)) or
@@ -259,13 +297,14 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
     return ["; ".join(bad)] if bad else []
 
 
-def _muon_state_dtypes(opt: Any, dp: DedicatedParam) -> dict[str, torch.dtype]:
-    """The state keys a dedicated ``dp`` may have on its owner and their dtypes (rank-independent): Muon's,
-    or AdamW's for an ``adamw_owner`` param."""
+def _muon_state_dtypes(opt: Any, dp: DedicatedParam, rules: dict[str, UpdateRule] | None = None
+                       ) -> dict[str, torch.dtype]:
+    """The state keys a dedicated ``dp`` may have on its owner and their dtypes (rank-independent): its update
+    rule's (``rules``: :func:`_rules`, computed here if not given), or AdamW's for an ``adamw_owner`` param."""
     if dp.route is Route.ADAMW_OWNER:
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         return {"step": scalar, "exp_avg": dp.dtype, "exp_avg_sq": dp.dtype}
-    out = {"momentum_buffer": opt.update_dtype(dp)}
+    out = (rules if rules is not None else _rules(opt))[dp.fqn].state_dtypes(opt.update_dtype(dp))
     master = opt.state_master_dtype(dp)
     if master is not None:
         out["master"] = master
@@ -329,7 +368,8 @@ def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode:
                       local_state: Mapping[str, Any], what: str) -> None:
     """Compare the incoming state tensors with the checksums the dict carries (where it carries any); raise
     on every rank together, before the optimizer changes. Collective (one more all-reduce to word the error)."""
-    items = [_item(dp, f"{dp.fqn}.{k}") for dp in state.dedicated() for k in sorted(_muon_state_dtypes(opt, dp))]
+    rules = _rules(opt)
+    items = [_item(dp, f"{dp.fqn}.{k}") for dp in state.dedicated() for k in sorted(_muon_state_dtypes(opt, dp, rules))]
     for name, p, _ in _every_rank_params(opt):
         keys = (structure or {}).get(name, {}) if mode is Mode.RANK0 else local_state.get(name, {})
         items += [Item(f"{name}.{k}", None, p) for k in sorted(keys)]
@@ -400,12 +440,13 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
     def place(p: nn.Parameter, k: str, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return v.detach().to(_state_device(p, group_of.get(id(p), {}), k), dtype, copy=True)
 
+    rules = _rules(opt)
     for dp in state.dedicated():
         p = dp.bound()
         if mode is Mode.ALL:
             if dp.is_owner and dp.fqn in local_state:
-                dtypes = _muon_state_dtypes(opt, dp)
-                new_state[p] = {k: place(p, k, _shard(dp, v), dtypes[k]) for k, v in local_state[dp.fqn].items()}
+                dtypes = _muon_state_dtypes(opt, dp, rules)
+                new_state[p] = {k: place(p, k, _shard(dp, v, k), dtypes[k]) for k, v in local_state[dp.fqn].items()}
             continue
         for k, (shape, dtype, _) in sorted(structure.get(dp.fqn, {}).items()):  # type: ignore[union-attr]
             v = local_state.get(dp.fqn, {}).get(k)
@@ -414,7 +455,7 @@ def _muon_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dic
             else:
                 full = bcast_from_rank0(state, v, torch.Size(shape), dtype, f"{dp.fqn}.{k}")
             if dp.is_owner:
-                new_state.setdefault(p, {})[k] = place(p, k, _shard(dp, full), _muon_state_dtypes(opt, dp)[k])
+                new_state.setdefault(p, {})[k] = place(p, k, _shard(dp, full, k), _muon_state_dtypes(opt, dp, rules)[k])
     return new_state
 
 
@@ -425,9 +466,10 @@ def _state_device(p: torch.Tensor, group: Mapping[str, Any], key: str) -> torch.
     return p.device if on_device else torch.device("cpu")
 
 
-def _shard(dp: DedicatedParam, v: Any) -> Any:
-    """What the owner keeps of an incoming state tensor: a TP matrix's shard, anything else whole."""
-    if dp.tp_dim is None or not isinstance(v, torch.Tensor):
+def _shard(dp: DedicatedParam, v: Any, key: str) -> Any:
+    """What the owner keeps of an incoming state tensor ``key``: a TP matrix's shard, anything else (a TP
+    matrix's per-row state too) whole."""
+    if dp.tp_dim is None or not isinstance(v, torch.Tensor) or _per_row(dp, key):
         return v
     return tp_local(v, dp.bound())  # type: ignore[arg-type]
 
@@ -453,17 +495,23 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.step")  # type: ignore[index]
                 st[k] = v.detach().to(_state_device(p, g, k), copy=True)
             elif isinstance(p, DTensor):
-                dtype = (_state_dtypes(opt, name, p) or {}).get(k)  # a Muon master / momentum may be wider
+                dtype = (_state_dtypes(opt, name, p, g) or {}).get(k)  # a Muon master / momentum may be wider
+                like = _rows_like(p) if k in PER_ROW_KEYS else p  # NorMuon's second moment: [E, m, 1]
                 if isinstance(v, DTensor):
-                    st[k] = _adopt_dtensor(v, p)
+                    st[k] = _adopt_dtensor(v, like)
                 else:
-                    st[k] = scatter_dtensor(p, v, mode, state, f"{name}.{k}", dtype)
+                    st[k] = scatter_dtensor(like, v, mode, state, f"{name}.{k}", dtype)
             else:
                 if mode is Mode.RANK0:
                     v = bcast_from_rank0(state, v, torch.Size(spec[0]), spec[1], f"{name}.{k}")  # type: ignore[index]
                 st[k] = v.detach().to(p.device, copy=True)
         new_state[p] = st
     return new_state
+
+
+def _rows_like(p: DTensor) -> DTensor:
+    """A DTensor laid out like ``p`` (placements along dim 0) with one value per row: ``p[..., :1]``'s layout."""
+    return p.detach()[..., :1]
 
 
 def _adopt_dtensor(v: DTensor, p: DTensor) -> DTensor:

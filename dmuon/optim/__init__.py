@@ -1,8 +1,13 @@
-"""The optimizer: ``dmuon.Muon`` (``muon.py``), the per-matrix update and its hyperparameter records
-(``update.py``), Newton–Schulz (``newton_schulz.py``) and its Triton kernel for symmetric products
-(``_symmetric.py``). Everything but ``muon.py`` is pure tensor math, testable on one CPU."""
+"""The optimizer: ``dmuon.Muon`` (``muon.py``), its update rules (``rules.py``: Muon's in ``update.py``, with the
+per-matrix pieces every rule shares and the hyperparameter records; NorMuon's in ``normuon.py``; their
+single-process oracles ``*_reference.py``), Newton–Schulz (``newton_schulz.py``) and its Triton kernel for
+symmetric products (``_symmetric.py``), and MuonClip's QK-clip (``qk_clip.py``). Everything but ``muon.py`` and
+``qk_clip.py`` is pure tensor math, testable on one CPU."""
 
 from .muon import Muon
-from .update import AdamWHParams, AdjustLR, MuonHParams, adjusted_lr, muon_update_, muon_update_batch_
+from .normuon import NorMuonHParams, normuon_update_batch_
+from .rules import Algorithm
+from .update import AdamWHParams, AdjustLR, MuonHParams, adjusted_lr, decay_, muon_update_, muon_update_batch_
 
-__all__ = ["Muon", "AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_"]
+__all__ = ["Muon", "Algorithm", "AdjustLR", "adjusted_lr", "MuonHParams", "NorMuonHParams", "AdamWHParams",
+           "muon_update_", "muon_update_batch_", "normuon_update_batch_", "decay_"]

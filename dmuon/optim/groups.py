@@ -37,13 +37,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .rules import ADAMW, RULES, Algorithm, muon_record
 from .update import AdamWHParams, MuonHParams
 
 __all__ = ["ResolvedGroup", "resolve_groups", "canonical_name", "DEFAULT_GROUP_NAMES"]
 
 #: The ``name`` of the groups that take whatever no user group names.
 DEFAULT_GROUP_NAMES = {True: "default_muon", False: "default_adamw"}
-_SPEC_KEYS = ("params", "use_muon", "name")
+_SPEC_KEYS = ("params", "use_muon", "algorithm", "name")
 
 
 def canonical_name(fqn: str) -> str:
@@ -117,64 +118,93 @@ def _params_of(spec: Mapping[str, Any], where: str) -> list[object]:
     return list(items)
 
 
-def _hparams(spec: Mapping[str, Any], use_muon: bool, defaults: MuonHParams | AdamWHParams,
-             where: str) -> MuonHParams | AdamWHParams:
-    cls = MuonHParams if use_muon else AdamWHParams
+def _hparams(spec: Mapping[str, Any], algorithm: str, defaults: Mapping[str, Any], where: str
+             ) -> MuonHParams | AdamWHParams:
+    """The group's record: ``algorithm``'s keys from ``spec`` over ``defaults`` (the constructor's values)."""
+    cls: type[MuonHParams] | type[AdamWHParams] = (AdamWHParams if algorithm == ADAMW else
+                                                   RULES[Algorithm(algorithm)].hparams)
     allowed = cls.names()
     unknown = sorted(k for k in spec if k not in _SPEC_KEYS and k not in allowed)
     if unknown:
-        other = AdamWHParams if use_muon else MuonHParams
-        misplaced = [k for k in unknown if k in other.names()]
-        hint = (f" ({', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} "
-                f"{'AdamW' if use_muon else 'Muon'}'s)") if misplaced else ""
-        raise ValueError(f"{where}: unknown key(s) {unknown} for {'a Muon' if use_muon else 'an AdamW'} group"
-                         f"{hint}; allowed: {list(_SPEC_KEYS) + list(allowed)}")
-    values = {**defaults.group_entries(), **{k: spec[k] for k in allowed if k in spec}}
+        by_owner: dict[str, list[str]] = {}
+        for k in unknown:  # whose key it is: Muon's (every Muon-family record has it), NorMuon's, AdamW's
+            owner = next((a for a, names in _OWNERS if k in names), None)
+            if owner is not None:
+                by_owner.setdefault(owner, []).append(k)
+        hint = "".join(f" ({', '.join(ks)} {'is' if len(ks) == 1 else 'are'} {owner}'s)" for owner, ks in by_owner.items())
+        raise ValueError(f"{where}: unknown key(s) {unknown} for {_GROUP[algorithm]}{hint}; allowed: "
+                         f"{list(_SPEC_KEYS) + list(allowed)}")
+    values = {**defaults, **{k: spec[k] for k in allowed if k in spec}}
     try:
-        return cls(**values)
+        if algorithm == ADAMW:
+            return AdamWHParams(**{k: v for k, v in values.items() if k in allowed})
+        return muon_record(algorithm, values, where)
     except (TypeError, ValueError) as e:
         msg = str(e).removeprefix("dmuon.Muon: ")
-        raise ValueError(f"{where}: {msg if use_muon else msg.replace('adamw_', '')}") from None
+        raise ValueError(f"{where}: {msg if algorithm != ADAMW else msg.replace('adamw_', '')}") from None
 
 
-def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, where: str) -> bool:
-    """``use_muon`` as given, or from the params (all dedicated: Muon; none: AdamW); then checked."""
+_TITLE = {"muon": "Muon", "normuon": "NorMuon", ADAMW: "AdamW"}
+_GROUP = {"muon": "a Muon group", "normuon": "a NorMuon group (algorithm='normuon')", ADAMW: "an AdamW group"}
+_OWNERS = [("Muon", MuonHParams.names()), ("NorMuon", RULES[Algorithm.NORMUON].hparams.names()),
+           ("AdamW", AdamWHParams.names())]
+
+
+def _said_algorithm(spec: Mapping[str, Any], where: str) -> str | None:
+    """The group's ``algorithm`` as given (checked, canonical spelling), or ``None``."""
+    if "algorithm" not in spec:
+        return None
+    value = spec["algorithm"]
+    if isinstance(value, str) and value.lower() == ADAMW:
+        return ADAMW
+    return Algorithm.parse(value, where).value
+
+
+def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, where: str, default: str) -> str:
+    """The group's algorithm: ``algorithm`` / ``use_muon`` as given, or from the params (all dedicated: the
+    constructor's ``default``; none: AdamW); then checked against the params."""
     dedicated = [n for n in fqns if n in model.dedicated]
     others = [n for n in fqns if n not in model.dedicated]
-    use_muon = spec.get("use_muon")
-    if use_muon is None:
+    use_muon, said = spec.get("use_muon"), _said_algorithm(spec, where)
+    if use_muon is not None and not isinstance(use_muon, bool):
+        raise TypeError(f"{where}: 'use_muon' must be True or False, got {use_muon!r}")
+    if use_muon is not None and said is not None and use_muon != (said != ADAMW):
+        raise ValueError(f"{where}: use_muon={use_muon} contradicts algorithm={said!r}; give one of them")
+    if said is None and use_muon is None:
         if dedicated and others:
             raise ValueError(
                 f"{where}: mixes dedicated matrices ({dedicated[0]!r}, ...) with other params ({others[0]!r}, ...) "
                 "and says no 'use_muon'. Muon and AdamW read 'lr' and 'weight_decay' differently, so split it "
                 "into a Muon group and an AdamW group."
             )
-        return bool(dedicated)
-    if not isinstance(use_muon, bool):
-        raise TypeError(f"{where}: 'use_muon' must be True or False, got {use_muon!r}")
-    if use_muon and others:
+        return default if dedicated else ADAMW
+    algorithm = said if said is not None else default if use_muon else ADAMW
+    flag = f"algorithm={algorithm!r}" if said is not None else f"use_muon={use_muon}"
+    if algorithm != ADAMW and others:
         p = model.by_name[others[0]]
         why = ("dmuon.dedicate_params(route=...) routed it 'adamw_owner'" if others[0] in model.owner_adamw else
-               f"it is {p.ndim}-D; Muon updates matrices only" if p.ndim < 2 else
-               "it is not dedicated (Muon needs the whole matrix on one owner): select it in "
-               "dmuon.dedicate_params(predicate=...)")
-        raise ValueError(f"{where}: use_muon=True but {others[0]!r} cannot take Muon: {why}.")
-    if not use_muon and dedicated:
+               f"it is {p.ndim}-D; {_TITLE[algorithm]} updates matrices only" if p.ndim < 2 else
+               f"it is not dedicated ({_TITLE[algorithm]} needs the whole matrix on one owner) and so routed to "
+               "AdamW: select it in dmuon.dedicate_params(predicate=...)")
+        raise ValueError(f"{where}: {flag} but {others[0]!r} cannot take {_TITLE[algorithm]}: {why}.")
+    if algorithm == ADAMW and dedicated:
         raise ValueError(
-            f"{where}: use_muon=False but {dedicated[0]!r} is dedicated: its owner updates it with Muon. Put it "
+            f"{where}: {flag} but {dedicated[0]!r} is dedicated: its owner updates it with Muon. Put it "
             "in a Muon group, or leave it out of dmuon.dedicate_params(predicate=...) to train it with AdamW."
         )
-    return use_muon
+    return algorithm
 
 
 def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, *, dedicated: Iterable[str],
                    owner_adamw: Iterable[str] = (), muon_defaults: MuonHParams, adamw_defaults: AdamWHParams,
-                   taken: Iterable[str] = (), first_index: int = 0, with_defaults: bool = True
-                   ) -> list[ResolvedGroup]:
+                   taken: Iterable[str] = (), first_index: int = 0, with_defaults: bool = True,
+                   muon_values: Mapping[str, Any] | None = None) -> list[ResolvedGroup]:
     """Resolve and check user groups; append the default groups (``with_defaults``) for every trainable
     param no group names. ``dedicated``: the FQNs on Muon, ``owner_adamw``: the dedicated ones an owner
     steps with AdamW. ``taken``: FQNs that earlier groups already hold, ``first_index``: the number
-    of the first group in errors and default names (both for ``add_param_group``).
+    of the first group in errors and default names (both for ``add_param_group``). ``muon_defaults``: the
+    record of the default algorithm; ``muon_values``: the constructor's values of every Muon-family key
+    (a group of another algorithm takes its defaults from there; default: ``muon_defaults``').
     Deterministic: every rank that passes the same groups gets the same answer, or the same error."""
     m = _Model(model, dedicated, owner_adamw)
     if specs is None:
@@ -200,9 +230,10 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
                                  "group only")
             owner_of[fqn] = f"param group {i} ({name!r})"
             fqns.append(fqn)
-        use_muon = _algorithm(spec, fqns, m, where)
-        hp = _hparams(spec, use_muon, muon_defaults if use_muon else adamw_defaults, where)
-        out.append(ResolvedGroup(name, use_muon, tuple(sorted(fqns, key=m.order.__getitem__)), hp))
+        algorithm = _algorithm(spec, fqns, m, where, muon_defaults.ALGORITHM)
+        hp = _hparams(spec, algorithm, adamw_defaults.group_entries() if algorithm == ADAMW else
+                      (muon_values if muon_values is not None else muon_defaults.group_entries()), where)
+        out.append(ResolvedGroup(name, algorithm != ADAMW, tuple(sorted(fqns, key=m.order.__getitem__)), hp))
     if len({g.name for g in out}) != len(out):
         raise ValueError("dmuon.Muon: two param groups have the same 'name'")
     if with_defaults:

@@ -37,8 +37,9 @@ from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from . import sharded as engine_muon
 from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
-from .tp_update import muon_update_tp_
-from .update import AdamWHParams, MuonHParams, muon_update_batch_
+from .qk_clip import QKClip, QKClipper
+from .rules import hparams_of, muon_record, rule_of
+from .update import AdamWHParams
 
 __all__ = ["Muon"]
 
@@ -130,6 +131,12 @@ class Muon(torch.optim.Optimizer):
         eps: floor of the norm NS divides by (default 1e-7, as torch).
         weight_decay: decoupled weight decay for Muon params (default 0.0).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (``torch.optim.Muon``'s meaning).
+        algorithm: the update rule of the Muon groups (default ``"muon"``; ``"normuon"``: NorMuon, per-row
+            normalised, docs/guides/normuon.md); a param group may choose its own.
+        cautious_weight_decay: decay only where the update has the parameter's sign (default False;
+            docs/guides/cautious-weight-decay.md).
+        beta2, normuon_eps, rms_target: NorMuon's (defaults 0.95, 1e-8, 0.2, as the paper's).
+        qk_clip: a :class:`dmuon.QKClip` (MuonClip's QK-clip after every step; docs/guides/qk-clip.md) or None.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's ``lr``, ``betas``, ``eps``,
             ``weight_decay`` (defaults 1e-3, (0.9, 0.999), 1e-8, 0.01, as ``torch.optim.AdamW``).
         adamw_foreach, adamw_fused: passed to ``torch.optim.AdamW``.
@@ -139,8 +146,9 @@ class Muon(torch.optim.Optimizer):
         param_groups: groups the ``torch.optim`` way, each a dict with ``"params"`` (parameters as they are
             after ``fully_shard``, ``(name, param)`` pairs or FQNs), optionally ``"use_muon"`` (default:
             True when every param of the group is dedicated, False when none is), ``"name"``, and any
-            hyperparameter of its algorithm: Muon's ``lr``, ``momentum``, ``nesterov``, ``ns_steps``,
-            ``ns_coefficients``, ``eps``, ``weight_decay``, ``adjust_lr_fn``, ``ns_backend``, or AdamW's
+            ``"algorithm"``, and any hyperparameter of its algorithm: Muon's ``lr``, ``momentum``, ``nesterov``,
+            ``ns_steps``, ``ns_coefficients``, ``eps``, ``weight_decay``, ``adjust_lr_fn``, ``ns_backend``,
+            ``cautious_weight_decay`` (NorMuon's: those and ``beta2``, ``normuon_eps``, ``rms_target``), or AdamW's
             ``lr``, ``betas``, ``eps``, ``weight_decay``. Unset ones take this constructor's values
             (``adamw_*`` for AdamW groups). Params no group names take the defaults. A param in two groups,
             a dedicated matrix in an AdamW group, a non-dedicated or non-2-D param in a Muon group, an
@@ -197,6 +205,11 @@ class Muon(torch.optim.Optimizer):
         eps: float = DEFAULT_EPS,
         weight_decay: float = 0.0,
         adjust_lr_fn: str | None = None,
+        algorithm: str = "muon",
+        cautious_weight_decay: bool = False,
+        beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        rms_target: float | None = 0.2,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -207,15 +220,19 @@ class Muon(torch.optim.Optimizer):
         ns_backend: str = "auto",
         master_dtype: torch.dtype | None = None,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"dmuon.Muon takes the model (after dmuon.dedicate_params), not {type(model).__name__}; "
                 "it builds its param groups itself."
             )
-        muon_hp = MuonHParams(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                              ns_coefficients=ns_coefficients, eps=eps, weight_decay=weight_decay,
-                              adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend)  # type: ignore[arg-type]
+        values = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+                      eps=eps, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend,
+                      cautious_weight_decay=cautious_weight_decay, beta2=beta2, normuon_eps=normuon_eps,
+                      rms_target=rms_target)
+        muon_record("normuon", values)  # every value checked, whichever algorithm the groups take
+        muon_hp = muon_record(algorithm, values)
         adamw_hp = AdamWHParams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
@@ -223,9 +240,11 @@ class Muon(torch.optim.Optimizer):
         ddp = unwrap_ddp(model) is not model  # DDP averages the other params' gradients itself
         model = unwrap_ddp(model)
         _check_fsdp_compute_dtype(model, state)
-        self._muon_defaults, self._adamw_defaults = muon_hp, adamw_hp
+        self._muon_defaults, self._adamw_defaults, self._muon_values = muon_hp, adamw_hp, values
         self._ddp = ddp
         resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
+        #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
+        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, model, state)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
         self._check_sharded([g for g, _ in internal], state)
@@ -270,6 +289,7 @@ class Muon(torch.optim.Optimizer):
             resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON) + _names(state, Route.MUON_SHARDED),
                                       owner_adamw=_names(state, Route.ADAMW_OWNER),
                                       muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
+                                      muon_values=self._muon_values,
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
         except Exception as e:  # noqa: BLE001 - any local failure must reach the gather, or the peers wait in it
             error = e
@@ -405,6 +425,11 @@ class Muon(torch.optim.Optimizer):
                 "-> fully_shard(...) -> dmuon.Muon(model, ...)."
             )
 
+    @staticmethod
+    def _rows(dp: DedicatedParam) -> int | None:
+        """A tensor-parallel matrix's full row count (its per-row state is whole on every tp rank), else None."""
+        return None if dp.tp_dim is None else dp.full_shape[0]  # type: ignore[index]
+
     def _owned(self) -> dict[int, DedicatedParam]:
         return {id(dp.param): dp for dp in self._dmuon_state.owned()}
 
@@ -412,16 +437,17 @@ class Muon(torch.optim.Optimizer):
         """Create the zero state a first step would create, so sharded dicts have the same keys before and
         after training starts (DCP loads into existing tensors). Mathematically a no-op."""
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        rules = {id(p): rule_of(g) for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
         for dp in self._dmuon_state.owned():
             p = dp.bound()
             if dp.route is Route.MUON and "momentum_buffer" not in self.state[p]:
                 self._update_target(dp)  # creates a master_dtype master from the param, as a first step does
-                self.state[p]["momentum_buffer"] = torch.zeros_like(local(p), dtype=self.update_dtype(dp),
-                                                                    memory_format=torch.preserve_format)
+            if dp.route is Route.MUON:
+                rules[id(p)].init_state_(self.state[p], local(p), self.update_dtype(dp), full_rows=self._rows(dp))
         for g in self.param_groups:
             if g["kind"] == "muon":
                 for _, p in self._sharded_in(g):
-                    engine_muon.materialise(p, self.state[p], self.master_dtype, self._sharded_seen)
+                    engine_muon.materialise(p, self.state[p], self.master_dtype, self._sharded_seen, rule_of(g))
                 continue
             for p in g["params"]:
                 st = self.state[p]
@@ -437,7 +463,7 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.load_state_dict``, except that Muon state stays in :meth:`update_dtype`
         (torch would round an fp32 master and momentum to a bf16 param's dtype)."""
         saved_groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
-        wide: list[tuple[Tensor, torch.dtype, dict[str, Any]]] = []  # (param, dtype, saved entry)
+        wide: list[tuple[Tensor, torch.dtype, dict[str, Any], dict]] = []  # (param, dtype, saved entry, group)
         if len(saved_groups) == len(self.param_groups):
             owned = self._owned()
             for group, saved in zip(self.param_groups, saved_groups):
@@ -448,8 +474,8 @@ class Muon(torch.optim.Optimizer):
                     dp = owned.get(id(p))
                     if dp is None:  # on the engine's shards
                         dtype = engine_muon.master_dtype_of(p, self.master_dtype)
-                        if dtype is not None and entry:
-                            wide.append((p, dtype, entry))
+                        if entry:
+                            wide.append((p, dtype or p.dtype, entry, saved))
                         continue
                     if "master" in entry and self.state_master_dtype(dp) is None:
                         raise ValueError(
@@ -457,15 +483,15 @@ class Muon(torch.optim.Optimizer):
                             f"keeps none for it ({dp.dtype}, master_dtype={self.master_dtype}); build dmuon.Muon "
                             "with the master_dtype the state was saved with. Nothing was loaded."
                         )
-                    if self.update_dtype(dp) != p.dtype and entry:
-                        wide.append((p, self.update_dtype(dp), entry))
+                    if entry:
+                        wide.append((p, self.update_dtype(dp), entry, saved))
         super().load_state_dict(state_dict)
         for dp in self._dmuon_state.dedicated():
             dp.forget_master_version()  # new masters: compare them with the params once at the next step
-        for p, dtype, entry in wide:
-            for k in ("master", "momentum_buffer"):
+        for p, dtype, entry, group in wide:
+            for k, want in {"master": dtype, **rule_of(group).state_dtypes(dtype)}.items():
                 if k in entry:
-                    self.state[p][k] = entry[k].to(device=p.device, dtype=dtype)
+                    self.state[p][k] = entry[k].to(device=p.device, dtype=want)
         self._sharded_seen.clear()  # new masters: compare them with the params once at the next step
         # Optimizer.load_state_dict builds new group dicts and a new state map: re-share them with AdamW.
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
@@ -509,6 +535,7 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_since_build()
         state.wait_all_reduces()
         state.end_pass()  # a forward whose backward never came: owners update their matrices all the same
+        maxima = None if self.qk_clip is None else self.qk_clip.gather()  # (raises before anything changes)
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":
@@ -519,6 +546,8 @@ class Muon(torch.optim.Optimizer):
                     if p.grad is None and grad is not None:
                         p.grad = grad.to(p.dtype)
         self._adamw.step()
+        if maxima is not None:
+            self.qk_clip.apply_(maxima, self._update_target)  # type: ignore[union-attr]
         self._check_pending = False
         state.publish_updates()
         if not self.replicate_async:
@@ -528,9 +557,9 @@ class Muon(torch.optim.Optimizer):
 
     def _step_muon_group(self, group: dict[str, Any], owned: dict[int, DedicatedParam]) -> None:
         """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""
-        hp = MuonHParams.from_group(group)
+        hp, rule = hparams_of(group), rule_of(group)  # the group's algorithm (dmuon/optim/rules.py)
         engine_muon.step_params(self._sharded_in(group), hp, self.state, self._layouts(self._dmuon_state),
-                                self.master_dtype, self._sharded_seen)
+                                self.master_dtype, self._sharded_seen, rule)
         by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
         for p in group["params"]:
             dp = owned.get(id(p))
@@ -541,21 +570,18 @@ class Muon(torch.optim.Optimizer):
                 continue
             target = self._update_target(dp)  # p itself unless it has a master
             grad = grad.to(target.dtype)  # a no-op without mixed precision
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            rule.init_state_(self.state[p], grad, target.dtype, full_rows=self._rows(dp))
             # same layout: one Newton-Schulz call per run of blocks ([Note: matrix blocks])
             by_shape.setdefault((tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape, dp.blocks),
                                 []).append((p, target, grad))
         for (_, _, _, tp_dim, full_shape, blocks), items in by_shape.items():
-            args = ([t for _, t, _ in items], [g for _, _, g in items],
-                    [self.state[p]["momentum_buffer"] for p, _, _ in items], hp)
+            args = ([t for _, t, _ in items], [g for _, _, g in items], [self.state[p] for p, _, _ in items], hp)
             if tp_dim is None:
-                muon_update_batch_(*args, blocks)
+                rule.update_(*args, blocks)
             else:  # tensor parallel: the full matrix's update, NS on one tp rank per matrix ([Note: TP update])
                 state = self._dmuon_state
                 tp_group = state.tp_mesh.get_group()
-                muon_update_tp_(*args, full_shape=full_shape, tp_dim=tp_dim, tp_rank=state.tp_mesh.get_local_rank(),
+                rule.update_tp_(*args, full_shape=full_shape, tp_dim=tp_dim, tp_rank=state.tp_mesh.get_local_rank(),
                                 tp_size=state.tp_mesh.size(), blocks=blocks,
                                 exchange=lambda *a: C.tp_exchange(state.ctx, *a, group=tp_group))
             for p, target, _ in items:

@@ -9,10 +9,11 @@ reduce-scatter after backward are the "broadcast" and "reduce" of an owner desig
 experts whatever the optimizer is. Each expert then has one owner per replicate row (the rank holding its
 chunk); under HSDP every replicate row computes the same update on its copy.
 
-Momentum (and a ``master_dtype`` master) is optimizer state laid out like the param, a DTensor, so
+Momentum (and a ``master_dtype`` master, and any state of the group's update rule: NorMuon's per-row second
+moment ``[E, m, 1]``) is optimizer state laid out like the param, a DTensor, so
 state dicts treat it as they treat AdamW's moments. A rank whose chunk is empty (more ranks than
-experts) skips the param. The rest is the update of an owned param, per matrix
-(:func:`dmuon.optim.update.muon_update_batch_` on the local tensors, the lr read from each block).
+experts) skips the param. The rest is the update of an owned param, per matrix (the group's rule,
+``dmuon/optim/rules.py``, on the local tensors, the lr read from each block).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from ..runtime.blocks import Blocks
 from ..runtime.param import splits_dim0_only
 from ..runtime.precision import is_wider, refresh_master_
-from .update import MuonHParams, muon_update_batch_
+from .rules import RULES, Algorithm, UpdateRule
+from .update import MuonHParams
 
 __all__ = ["check_sharded_params", "master_dtype_of", "update_target", "step_params", "materialise"]
 
@@ -70,16 +72,17 @@ def update_target(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | No
     return st["master"]._local_tensor
 
 
-def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
+def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None, seen: dict[int, int],
+                rule: UpdateRule = RULES[Algorithm.MUON]) -> None:
     """The zero state a first step would create (sharded state dicts need the keys before training)."""
     if "momentum_buffer" not in st:
         update_target(p, st, master_dtype, seen)
-        dtype = master_dtype_of(p, master_dtype) or p.dtype
-        st["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+    rule.init_state_(st, p, master_dtype_of(p, master_dtype) or p.dtype)
 
 
 def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mapping[Tensor, dict[str, Any]],
-                layouts: Mapping[str, Blocks], master_dtype: torch.dtype | None, seen: dict[int, int]) -> None:
+                layouts: Mapping[str, Blocks], master_dtype: torch.dtype | None, seen: dict[int, int],
+                rule: UpdateRule = RULES[Algorithm.MUON]) -> None:
     """Muon on every rank's whole matrices of the ``(fqn, param)`` of one param group: same local shape, dtypes
     and blocks batched into one Newton-Schulz call per run of blocks."""
     batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor]]] = {}
@@ -89,13 +92,12 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
         st = state[p]
         target = update_target(p, st, master_dtype, seen)
         grad = p.grad._local_tensor.to(target.dtype)
-        if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(p, dtype=target.dtype)
+        rule.init_state_(st, p, target.dtype)
         blocks = Blocks.of(target.shape, layouts[fqn].rows)  # this rank's experts, the param's row blocks
         batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad))
     for (*_, blocks), items in batches.items():
-        muon_update_batch_([t for _, t, _ in items], [g for _, _, g in items],
-                           [state[p]["momentum_buffer"]._local_tensor for p, _, _ in items], hp, blocks)
+        rule.update_([t for _, t, _ in items], [g for _, _, g in items],
+                     [{k: v._local_tensor for k, v in state[p].items()} for p, _, _ in items], hp, blocks)
         for p, target, _ in items:
             if target is not p._local_tensor:  # a master: round the result into the param
                 with torch.no_grad():

@@ -36,7 +36,7 @@ from .newton_schulz import native_dtype
 from ..runtime.blocks import Blocks
 from .update import MuonHParams, _apply_update_, _stacked_updates, orthogonalise
 
-__all__ = ["Exchange", "muon_update_tp_", "roots", "exchange_cost"]
+__all__ = ["Exchange", "Payload", "muon_update_tp_", "orthogonalise_tp", "check_shards", "roots", "exchange_cost"]
 
 #: ``exchange(send, send_counts, recv, recv_counts)``: one all-to-all over the tp ranks (element counts per
 #: peer, in tp-rank order), e.g. ``dist.all_to_all_single`` over the "tp" group.
@@ -94,17 +94,45 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
         muon_update_tp_([w_shard], [g_shard], [buf_shard], MuonHParams(), full_shape=(4096, 1024), tp_dim=0,
                         tp_rank=mesh["tp"].get_local_rank(), tp_size=2, exchange=exchange)
     """
+    full_shape, blocks = check_shards(params, full_shape, tp_dim, tp_size, blocks, "muon_update_tp_")
+    updates = _stacked_updates(grads, momentum_buffers, hp)
+    orthos, _ = orthogonalise_tp(updates, hp, full_shape=full_shape, tp_dim=tp_dim, tp_rank=tp_rank,
+                                 tp_size=tp_size, exchange=exchange, blocks=blocks)
+    row_start = tp_rank * params[0].shape[0] if tp_dim == 0 else 0  # the shard's first row of the full matrix
+    for p, o in zip(params, orthos):
+        _apply_update_(p, o, hp, blocks, row_start)
+
+
+def check_shards(params: Sequence[Tensor], full_shape: Sequence[int], tp_dim: int, tp_size: int,
+                 blocks: Blocks | None, what: str) -> tuple[tuple[int, ...], Blocks]:
+    """The full shape and its blocks, after checking that ``params`` are shards of it along ``tp_dim``."""
     full_shape = tuple(full_shape)
     local = tuple(params[0].shape)
     if tp_dim not in (0, 1) or len(full_shape) != 2 or local[tp_dim] * tp_size != full_shape[tp_dim]:
-        raise ValueError(f"muon_update_tp_: shards {local} do not split {full_shape} along dim {tp_dim} "
+        raise ValueError(f"{what}: shards {local} do not split {full_shape} along dim {tp_dim} "
                          f"over {tp_size} tp ranks")
-    blocks = Blocks.of(full_shape, what="muon_update_tp_") if blocks is None else blocks
+    blocks = Blocks.of(full_shape, what=what) if blocks is None else blocks
     if blocks.shape != full_shape:
-        raise ValueError(f"muon_update_tp_: blocks of {blocks.shape} for matrices of {full_shape}")
-    updates = _stacked_updates(grads, momentum_buffers, hp)
-    numel = updates[0].numel()
-    counts = _dealt(len(params), tp_size)
+        raise ValueError(f"{what}: blocks of {blocks.shape} for matrices of {full_shape}")
+    return full_shape, blocks
+
+
+#: What a root computes from the full Newton-Schulz results of its matrices ``(c, *full)`` and sends back with
+#: each shard: ``(c, k)`` values per matrix (an update rule's statistic of the whole matrix, e.g. NorMuon's row sums).
+Payload = Callable[[Tensor], Tensor]
+
+
+def orthogonalise_tp(updates: Tensor, hp: MuonHParams, *, full_shape: tuple[int, ...], tp_dim: int, tp_rank: int,
+                     tp_size: int, exchange: Exchange, blocks: Blocks, payload: Payload | None = None,
+                     payload_shape: tuple[int, torch.dtype] = (0, torch.float32),
+                     ) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Steps 1-3 of [Note: TP update] for the stacked momentum updates ``(N, *local)`` of this tp rank's shards:
+    each shard's part of its full matrix's Newton-Schulz result, in NS's native dtype, and, with ``payload``
+    (``payload_shape``: its ``k`` values per matrix and their dtype), what the matrix's root computed from the
+    whole result. The payload travels in the second all-to-all with the shards, its bits packed as the
+    native dtype's words (no extra collective)."""
+    numel, n, local = updates[0].numel(), updates.shape[0], tuple(updates.shape[1:])
+    counts = _dealt(n, tp_size)
     mine = counts[tp_rank]
     # out: the shards of tp rank d's matrices, for d = 0..t-1; in: my matrices' shards from every tp rank
     send = torch.cat([updates[d::tp_size].reshape(-1) for d in range(tp_size)])
@@ -112,17 +140,27 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     exchange(send, [c * numel for c in counts], recv, [mine * numel] * tp_size)
     # every root's result has Newton-Schulz's native dtype, the same for any batch of this shape
     out_dtype = native_dtype((max(mine, 1), *full_shape), hp.ns_backend, device=updates.device)
+    k, extra_dtype = payload_shape if payload is not None else (0, out_dtype)
+    extra = k * extra_dtype.itemsize // out_dtype.itemsize  # payload words per matrix
+    if extra * out_dtype.itemsize != k * extra_dtype.itemsize:
+        raise ValueError(f"orthogonalise_tp: a payload of {k} {extra_dtype} does not pack into {out_dtype} words")
     if mine:
         full = _assemble(recv.view(tp_size, mine, *local), tp_dim)
         # one matrix goes through the 2-D call, as muon_update_batch_ sends it: the same kernels as an owner
         # without TP that holds this tp rank's matrices
         orthos = orthogonalise(full[0], hp, blocks).unsqueeze(0) if mine == 1 else orthogonalise(full, hp, blocks)
-        back = _split(orthos.to(out_dtype), tp_dim, tp_size).reshape(-1)  # a no-op cast
+        back = _split(orthos.to(out_dtype), tp_dim, tp_size).reshape(tp_size, mine, numel)  # a no-op cast
+        if payload is not None:
+            words = payload(orthos).to(extra_dtype).contiguous().view(out_dtype).reshape(1, mine, extra)
+            back = torch.cat([back, words.expand(tp_size, mine, extra)], dim=2)
+        back = back.reshape(-1)
     else:
         back = updates.new_empty(0, dtype=out_dtype)
-    mine_back = updates.new_empty(len(params) * numel, dtype=out_dtype)
-    exchange(back, [mine * numel] * tp_size, mine_back, [c * numel for c in counts])
-    from_root = [part.view(c, *local) for part, c in zip(mine_back.split([c * numel for c in counts]), counts)]
-    row_start = tp_rank * local[0] if tp_dim == 0 else 0  # the shard's first row of the full matrix
-    for k, p in enumerate(params):
-        _apply_update_(p, from_root[k % tp_size][k // tp_size], hp, blocks, row_start)
+    per = numel + extra
+    mine_back = updates.new_empty(n * per, dtype=out_dtype)
+    exchange(back, [mine * per] * tp_size, mine_back, [c * per for c in counts])
+    from_root = [part.view(c, per) for part, c in zip(mine_back.split([c * per for c in counts]), counts)]
+    shards = [from_root[j % tp_size][j // tp_size, :numel].view(local) for j in range(n)]
+    if payload is None:
+        return shards, None
+    return shards, [from_root[j % tp_size][j // tp_size, numel:].contiguous().view(extra_dtype) for j in range(n)]

@@ -15,7 +15,7 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from .newton_schulz import (
 )
 
 __all__ = ["AdjustLR", "adjusted_lr", "MuonHParams", "AdamWHParams", "muon_update_", "muon_update_batch_",
-           "orthogonalise", "NS_CHUNK_ELEMENTS"]
+           "orthogonalise", "decay_", "NS_CHUNK_ELEMENTS"]
 
 #: [Note: NS memory] The most matrix elements one batched Newton–Schulz call takes. A shape group can be far
 #: larger (every expert of a rank, thousands of 768 x 2048 matrices; every layer's MLP matrix at world size 1),
@@ -104,6 +104,10 @@ class MuonHParams:
     weight_decay: float = 0.0
     adjust_lr_fn: AdjustLR = AdjustLR.ORIGINAL
     ns_backend: str = "auto"
+    #: Decay only the coordinates whose update has the parameter's sign (:func:`decay_`).
+    cautious_weight_decay: bool = False
+    #: The ``algorithm`` of the param groups this record describes (``dmuon/optim/rules.py``).
+    ALGORITHM: ClassVar[str] = "muon"
 
     def __post_init__(self) -> None:
         for name in ("lr", "momentum", "weight_decay"):
@@ -124,6 +128,8 @@ class MuonHParams:
             raise ValueError(f"dmuon.Muon: eps must be > 0, got {self.eps!r}")
         object.__setattr__(self, "adjust_lr_fn", AdjustLR.parse(self.adjust_lr_fn))  # type: ignore[arg-type]
         object.__setattr__(self, "nesterov", bool(self.nesterov))
+        if not isinstance(self.cautious_weight_decay, bool):
+            raise TypeError(f"dmuon.Muon: cautious_weight_decay must be True or False, got {self.cautious_weight_decay!r}")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -135,10 +141,11 @@ class MuonHParams:
         return cls(**{name: group[name] for name in cls.names() if name in group})
 
     def group_entries(self) -> dict[str, Any]:
-        """The param-group keys: plain values (``adjust_lr_fn`` by name), as ``torch.optim`` groups hold."""
+        """The param-group keys: plain values (``adjust_lr_fn`` by name), as ``torch.optim`` groups hold, and the
+        ``algorithm``."""
         entries = {name: getattr(self, name) for name in self.names()}
         entries["adjust_lr_fn"] = self.adjust_lr_fn.value
-        return entries
+        return {"algorithm": self.ALGORITHM, **entries}
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,14 +250,35 @@ def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
     return out  # type: ignore[return-value]
 
 
+def decay_(param: Tensor, update: Tensor, hp: MuonHParams) -> None:
+    """Decoupled weight decay, ``W <- (1 - lr wd) W``, as ``torch.optim.Muon``; a factor of exactly 1 is skipped
+    (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when decay is off. With
+    ``hp.cautious_weight_decay`` only where ``update * W >= 0``: the coordinates the step (``W -= c * update``,
+    ``c > 0``) moves towards zero anyway (Cautious Weight Decay, Chen et al. 2025, arXiv 2510.12402; ties decay,
+    as there). Those coordinates round exactly as the plain decay's. ``update`` is the orthogonalised update (or
+    any positive multiple of it per coordinate row), of ``param``'s shape.
+
+    Example::
+
+        decay_(w, ortho, MuonHParams(lr=0.02, weight_decay=0.1, cautious_weight_decay=True))
+    """
+    factor = 1 - hp.lr * hp.weight_decay
+    if factor == 1:
+        return
+    if not hp.cautious_weight_decay:
+        param.mul_(factor)
+        return
+    # where(mask, W * f, W): the scalar multiply rounds as mul_(f) does (a tensor of factors would round f
+    # to the param's dtype first)
+    param.copy_(torch.where((update * param) >= 0, param * factor, param))
+
+
 def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, blocks: Blocks, row_start: int = 0) -> None:
-    """Decoupled decay then the scaled step, as ``torch.optim.Muon``. A decay factor of exactly 1 is
-    skipped (``x * 1.0 == x`` bit for bit), which saves a pass over the weights when it is off. Each run
+    """Decoupled decay (:func:`decay_`) then the scaled step, as ``torch.optim.Muon``. Each run
     of row blocks steps with its own block's lr. ``blocks`` describe the whole parameter; ``param`` may be
     a tensor-parallel shard of it whose rows start at ``row_start`` of the whole (the lr scales with the
     block, not the shard)."""
-    if hp.lr * hp.weight_decay != 0.0:
-        param.mul_(1 - hp.lr * hp.weight_decay)
+    decay_(param, ortho, hp)
     # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
     runs = blocks.rows_in(row_start, row_start + param.shape[-2])
     if len(runs) == 1:

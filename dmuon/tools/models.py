@@ -28,6 +28,8 @@ class TinyLlamaConfig:
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    #: attention reports each head's largest logit for ``dmuon.QKClip`` (``dmuon.qk_clip``)
+    report_max_logits: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -75,7 +77,12 @@ class Attention(nn.Module):
         q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
         rep = cfg.n_heads // cfg.n_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cfg.report_max_logits:
+            from ..qk_clip import scaled_dot_product_attention
+
+            out = scaled_dot_product_attention(q, k, v, module=self, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, cfg.n_heads * hd))
 
 

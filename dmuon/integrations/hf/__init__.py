@@ -105,6 +105,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from ._model import dmuon_model_of
+from .qk_clip import QK_CLIP_ATTENTION, use_qk_clip_attention
 from .accelerator import _ACCEL_IMPLS, _ACCEL_ORIGINALS
 from .trainer import (
     _TRAINER_IMPLS,
@@ -121,7 +122,8 @@ from .trainer import (
     _t_save_optimizer_and_scheduler,
 )
 
-__all__ = ["DMuonTrainer", "install", "uninstall", "is_installed", "dmuon_model_of"]
+__all__ = ["DMuonTrainer", "install", "uninstall", "is_installed", "dmuon_model_of", "use_qk_clip_attention",
+           "QK_CLIP_ATTENTION"]
 
 
 # --------------------------------------------------------------------------------------------------- #

@@ -65,7 +65,7 @@ needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async checkpoint
 The package: ``parallelize.py`` (:func:`dedicate`, :func:`with_dmuon`, :func:`dmuon_model_spec`, the
 trainer settings checked first, [Note: mixed precision] and [Note: tensor parallelism]), ``_fused_qkv.py`` ([Note: fused QKV]),
 ``optimizer.py`` (:class:`DMuonOptimizersContainer`, :func:`clip_grad_norm_` and [Note: gradient
-scale]) and ``checkpoint.py`` (:class:`DMuonModelWrapper`,
+scale]), ``qk_clip.py`` (:func:`report_max_logits`, QK-clip's forward side) and ``checkpoint.py`` (:class:`DMuonModelWrapper`,
 :class:`DMuonCheckpointManager`).
 """
 
@@ -74,6 +74,7 @@ from __future__ import annotations
 # The submodules import torchtitan's parts; a missing torchtitan (or triton) fails here, with one message.
 try:
     from .checkpoint import DMuonCheckpointManager, DMuonModelWrapper
+    from .qk_clip import report_max_logits
     from .optimizer import DMuonOptimizersContainer, clip_grad_norm_, dedicated_grad_scale, dmuon_param_groups
     from .parallelize import (
         Predicate,  # noqa: F401  (the predicate type alias, importable from here as before)
@@ -100,5 +101,6 @@ __all__ = [
     "dmuon_model_spec",
     "dmuon_param_groups",
     "mixed_precision_dtypes",
+    "report_max_logits",
     "with_dmuon",
 ]

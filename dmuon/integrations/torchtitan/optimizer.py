@@ -37,7 +37,7 @@ from ...checkpoint.checksum import CHECKSUMS_KEY
 from ...runtime.hooks import STATE_ATTR
 from ...runtime.param import is_dedicated
 from ...optim.newton_schulz import KELLER_JORDAN_COEFFICIENTS
-from ...optim.update import MuonHParams
+from ...optim.normuon import NorMuonHParams
 from .parallelize import _MODELS, _adopt
 
 _CLIP_MARK = "__dmuon_wrapped__"
@@ -152,7 +152,7 @@ def _install_clip_patch() -> None:
 # --------------------------------------------------------------------------------------------------- #
 # Optimizers                                                                                           #
 # --------------------------------------------------------------------------------------------------- #
-_MUON = MuonHParams()  # the defaults
+_MUON = NorMuonHParams()  # the defaults (NorMuon's record holds Muon's fields and its own)
 #: torchtitan's ``ParamGroupConfig.optimizer_name`` values the container takes, and what each means
 _OPTIMIZER_NAMES = {"Muon": True, "AdamW": False}
 
@@ -234,6 +234,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         """Muon's decoupled weight decay."""
         adjust_lr_fn: str | None = None
         """``None``/``"original"`` or ``"match_rms_adamw"``, as in ``torch.optim.Muon``."""
+        algorithm: str = "muon"
+        """The Muon groups' update rule: ``"muon"`` or ``"normuon"`` (docs/guides/normuon.md)."""
+        cautious_weight_decay: bool = _MUON.cautious_weight_decay
+        beta2: float = _MUON.beta2
+        normuon_eps: float = _MUON.normuon_eps
+        rms_target: float | None = _MUON.rms_target
+        """NorMuon's second-moment decay, epsilon and update RMS (the paper's defaults)."""
         adamw_lr: float = 8e-4
         adamw_betas: tuple[float, float] = (0.9, 0.95)
         adamw_eps: float = 1e-8
@@ -256,7 +263,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
             )
         model = model_parts[0]
         muon = dmuon.Muon(
-            model, **{name: getattr(config, name) for name in MuonHParams.names()},
+            model, algorithm=config.algorithm, **{name: getattr(config, name) for name in NorMuonHParams.names()},
             adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
             adamw_foreach=config.implementation == "foreach", adamw_fused=config.implementation == "fused",
