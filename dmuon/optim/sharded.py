@@ -91,7 +91,7 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
         grad = p.grad._local_tensor.to(target.dtype)
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(p, dtype=target.dtype)
-        blocks = Blocks.of(target.shape, layouts[fqn].rows)  # this rank's experts, the param's row blocks
+        blocks = Blocks.of(target.shape, layouts[fqn].spec)  # this rank's experts, the param's row blocks
         batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad))
     for (*_, blocks), items in batches.items():
         muon_update_batch_([t for _, t, _ in items], [g for _, _, g in items],

@@ -230,6 +230,8 @@ def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
         if update.ndim == 2:
             return _orthogonalise(update, hp)
         return _orthogonalise(update.reshape(-1, blocks.rows[0], n), hp).view(update.shape)
+    if blocks.groups > 1:
+        return _orthogonalise_interleaved(update, hp, blocks)
     out: Tensor | None = None
     for run in blocks.runs:
         region = update[..., run.start:run.stop, :]
@@ -237,6 +239,23 @@ def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
         if out is None:  # every run has the same native dtype: it depends on the device and backend only
             out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
         out[..., run.start:run.stop, :].copy_(result.view(region.shape))
+    return out  # type: ignore[return-value]
+
+
+def _orthogonalise_interleaved(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
+    """:func:`orthogonalise` for blocks that repeat ``blocks.groups`` times along the rows: each run's rows
+    gathered from every group, ``(..., c, groups * size, n)``, one batched call, scattered back."""
+    groups, n = blocks.groups, blocks.cols
+    # (..., groups, period, n) views; a run's region (..., groups, c * size, n) -> (..., c, groups, size, n)
+    view = update.unflatten(-2, (groups, blocks.period))
+    out: Tensor | None = None
+    for run in blocks.runs:
+        region = view[..., run.start:run.stop, :].unflatten(-2, (run.count, run.size)).transpose(-4, -3)
+        result = _orthogonalise(region.reshape(-1, groups * run.size, n), hp)
+        if out is None:
+            out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
+        target = out.unflatten(-2, (groups, blocks.period))[..., run.start:run.stop, :]
+        target.unflatten(-2, (run.count, run.size)).transpose(-4, -3).copy_(result.view(region.shape))
     return out  # type: ignore[return-value]
 
 
