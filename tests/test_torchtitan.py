@@ -316,6 +316,25 @@ def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
 # --------------------------------------------------------------------------------------------------- #
 # Oracle: one process, torch.optim.Muon + torch.optim.AdamW                                            #
 # --------------------------------------------------------------------------------------------------- #
+def qkv_rows(module: Any, mode: str = "qkv") -> list[torch.Tensor]:
+    """Row indices of the matrices Muon orthogonalises in a FusedQKVLinear's ``wqkv`` ([Note: fused QKV
+    blocks] in dmuon/integrations/torchtitan/_fused_qkv.py), from torchtitan's layout (``n_kv`` groups of
+    ``heads_per_kv`` q heads, a k head, a v head): ``"qkv"`` q, k and v gathered from every group (the stock
+    wq / wk / wv), ``"heads"`` each head, ``"whole"`` every row; ``"contiguous"`` the wrong split
+    ``[q_rows, k_rows, v_rows]`` of a ``[q; k; v]`` layout torchtitan does not have."""
+    hd, hpk, r = module.head_dim, module.heads_per_kv, module.r_dim
+    rows = torch.arange(module.wqkv.weight.shape[0]).view(-1, r, hd)
+    if mode == "whole":
+        return [rows.reshape(-1)]
+    if mode == "heads":
+        return list(rows.reshape(-1, hd))
+    if mode == "contiguous":
+        flat, q, kv = rows.reshape(-1), rows.shape[0] * hpk * hd, rows.shape[0] * hd
+        return [flat[:q], flat[q:q + kv], flat[q + kv:]]
+    assert mode == "qkv", mode
+    return [rows[:, :hpk].reshape(-1), rows[:, hpk].reshape(-1), rows[:, hpk + 1].reshape(-1)]
+
+
 @rank_threads()  # the mixed-precision run is compared with it bit for bit
 def train_oracle(
     init: dict[str, torch.Tensor], split: int = 1, compute_dtype: torch.dtype | None = None,
@@ -325,8 +344,10 @@ def train_oracle(
     (the ranks' slices), their fp32 gradients summed, which measures how far bf16 Newton–Schulz carries
     summation-order noise. ``compute_dtype``: the model computes in it while the optimizers step fp32
     copies rounded back into it before every step, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
-    (parameters cast, buffers not)."""
+    (parameters cast, buffers not). ``torch.optim.Muon`` steps each of q, k and v of the fused ``wqkv`` as a
+    parameter of its own (its rows' gradient copied in, the result copied back), every other matrix whole."""
     from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.models.common.attention import FusedQKVLinear
 
     from dmuon.integrations.torchtitan import default_predicate
 
@@ -346,9 +367,18 @@ def train_oracle(
     rest = [n for n, p in params.items() if not default_predicate(n, p)]
     attention = [n for n in muon if re.search(ATTENTION, n)]
     norms = [n for n in rest if re.search(NORMS, n)]
+    # wqkv: one torch Muon parameter per q, k and v
+    shadows = {f"{name}.wqkv.weight": [(rows, torch.nn.Parameter(values[f"{name}.wqkv.weight"].detach()[rows].clone()))
+                                       for rows in qkv_rows(m)]
+               for name, m in model.named_modules() if isinstance(m, FusedQKVLinear)}
+    assert len(shadows) == N_LAYERS
+
+    def matrices(names: list[str]) -> list[torch.Tensor]:
+        return [m for n in names for m in ([s for _, s in shadows[n]] if n in shadows else [values[n]])]
+
     opt_m = torch.optim.Muon(
-        [{"params": [values[n] for n in attention], "lr": ATTENTION_LR},
-         {"params": [values[n] for n in muon if n not in attention]}],
+        [{"params": matrices(attention), "lr": ATTENTION_LR},
+         {"params": matrices([n for n in muon if n not in attention])}],
         lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"], weight_decay=HP["weight_decay"])
     opt_a = torch.optim.AdamW(
         [{"params": [values[n] for n in norms], "weight_decay": 0.0},
@@ -378,7 +408,14 @@ def train_oracle(
         for n, v in values.items():
             v.grad = grads[n]
         norms.append(torch.nn.utils.clip_grad_norm_(list(values.values()), max_norm).item())
+        for n, parts in shadows.items():
+            for rows, s in parts:
+                s.grad = values[n].grad[rows]
         opt_m.step()
+        with torch.no_grad():
+            for n, parts in shadows.items():
+                for rows, s in parts:
+                    values[n][rows] = s
         opt_a.step()
         scheds.step()
         losses.append(total)

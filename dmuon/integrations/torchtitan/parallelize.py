@@ -43,7 +43,7 @@ import dmuon
 from ...runtime.comm import all_gather_default
 from ...runtime.precision import is_wider
 from ...partition import OwnerPlan
-from ._fused_qkv import _unhook_fused_qkv
+from ._fused_qkv import QKVBlocks, _unhook_fused_qkv, fused_qkv_blocks
 
 Predicate = Callable[[str, nn.Parameter], bool]
 
@@ -129,6 +129,7 @@ def dedicate(
     prefetch: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> OwnerPlan:
     """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``
     (with ``tensor_parallel_degree > 1``: after torchtitan's TP step and before ``fully_shard``, which
@@ -138,7 +139,9 @@ def dedicate(
     ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). Under TP dmuon gets the same ranks as
     a ``("dp", "tp")`` or ``("replicate", "shard", "tp")`` mesh, and the TP-sharded matrices are dedicated
     as DTensors over "tp" ([Note: tensor parallelism]). ``predicate(fqn, param)`` defaults to
-    :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
+    :func:`default_predicate`. ``qkv_blocks``: how Muon splits a fused ``wqkv``, ``"qkv"`` (q, k and v, each
+    alone), ``"heads"`` (one matrix per head) or ``"whole"`` (one matrix), see [Note: fused QKV blocks] in
+    ``_fused_qkv.py``. Works on meta-device models (torchtitan's ``to_empty`` comes later).
     ``reshard_after_forward``, ``prefetch``, ``param_dtype`` and ``reduce_dtype`` are
     :func:`dmuon.dedicate_params`'s. The dtypes must match the ``MixedPrecisionPolicy`` torchtitan gives
     FSDP2, or the first forward meets bf16 activations with fp32 weights: take them from
@@ -153,11 +156,12 @@ def dedicate(
         model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, ...)
     """
     _check_parallel_dims(parallel_dims)
+    blocks = fused_qkv_blocks(model, qkv_blocks)
     mesh, replicate = _meshes(model, parallel_dims)
     plan = dmuon.dedicate_params(
         model, mesh, predicate if predicate is not None else default_predicate,
         replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, blocks=blocks,
     )
     _adopt(model)
     return plan
@@ -311,11 +315,13 @@ def with_dmuon(
     predicate: Predicate | None = None,
     *,
     reshard_after_forward: bool | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> Callable[..., nn.Module]:
     """Wrap a torchtitan ``parallelize_fn`` so it dedicates matrices first, then shards the rest.
 
     With ``tensor_parallel_degree > 1`` dmuon dedicates right after the ``parallelize_fn``'s own TP step
     (``model.parallelize(parallel_dims)``), before its ``fully_shard``: see [Note: tensor parallelism].
+    ``predicate`` and ``qkv_blocks`` are :func:`dedicate`'s.
 
     ``reshard_after_forward=None`` follows ``parallelism.fsdp_reshard_after_forward`` (``"never"`` keeps the
     broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). The dedicated
@@ -330,6 +336,7 @@ def with_dmuon(
     """
     if not callable(parallelize_fn):
         raise ValueError(f"dmuon torchtitan: parallelize_fn must be callable, got {parallelize_fn!r}")
+    qkv = QKVBlocks.parse(qkv_blocks)
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
@@ -340,7 +347,7 @@ def with_dmuon(
             policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
             raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
         run = functools.partial(dedicate, model, parallel_dims, predicate, reshard_after_forward=raf,
-                                param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, qkv_blocks=qkv)
         if not parallel_dims.tp_enabled:
             run()
             model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
@@ -355,9 +362,11 @@ def with_dmuon(
 
 
 def dmuon_model_spec(
-    spec: ModelSpec, predicate: Predicate | None = None, *, reshard_after_forward: bool | None = None
+    spec: ModelSpec, predicate: Predicate | None = None, *, reshard_after_forward: bool | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> ModelSpec:
-    """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`).
+    """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`,
+    whose options these are).
 
     Pipelining is dropped from the copy (dmuon needs one mesh over every rank), so a Trainer with
     ``pipeline_parallel_degree > 1`` refuses the spec instead of mis-training.
@@ -370,7 +379,8 @@ def dmuon_model_spec(
         raise ValueError(f"dmuon torchtitan: expected a torchtitan ModelSpec, got {spec!r}")
     return dataclasses.replace(
         spec,
-        parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward),
+        parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward,
+                                  qkv_blocks=qkv_blocks),
         pipelining_fn=None,
     )
 
