@@ -634,3 +634,11 @@ def test_checkpoint_holds_each_dedicated_tensor_once_from_its_owner(runs: dict[s
 def test_example_script_runs_under_torchrun() -> None:
     proc = torchrun("examples/torchtitan_dmuon.py", "--steps", "4", timeout=300)
     assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout
+
+
+def test_example_script_trains_the_moe_with_expert_parallelism() -> None:
+    """``--moe --ep 2``: qwen3's debugmodel_moe (one of its 8 layers on CPU: 64 experts, top-8) with its experts
+    placed over 2 ranks by torchtitan's expert parallelism (tests/test_torchtitan_moe.py holds the oracle)."""
+    proc = torchrun("examples/torchtitan_dmuon.py", "--moe", "--ep", "2", "--steps", "2", timeout=300)
+    assert "3 expert weights over 2 expert-parallel ranks" in proc.stdout, proc.stdout
+    assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout
