@@ -316,25 +316,6 @@ def parity_job(rank: int, world: int, root: str, replicate: int) -> dict:
 # --------------------------------------------------------------------------------------------------- #
 # Oracle: one process, torch.optim.Muon + torch.optim.AdamW                                            #
 # --------------------------------------------------------------------------------------------------- #
-def qkv_rows(module: Any, mode: str = "qkv") -> list[torch.Tensor]:
-    """Row indices of the matrices Muon orthogonalises in a FusedQKVLinear's ``wqkv`` ([Note: fused QKV
-    blocks] in dmuon/integrations/torchtitan/_fused_qkv.py), from torchtitan's layout (``n_kv`` groups of
-    ``heads_per_kv`` q heads, a k head, a v head): ``"qkv"`` q, k and v gathered from every group (the stock
-    wq / wk / wv), ``"heads"`` each head, ``"whole"`` every row; ``"contiguous"`` the wrong split
-    ``[q_rows, k_rows, v_rows]`` of a ``[q; k; v]`` layout torchtitan does not have."""
-    hd, hpk, r = module.head_dim, module.heads_per_kv, module.r_dim
-    rows = torch.arange(module.wqkv.weight.shape[0]).view(-1, r, hd)
-    if mode == "whole":
-        return [rows.reshape(-1)]
-    if mode == "heads":
-        return list(rows.reshape(-1, hd))
-    if mode == "contiguous":
-        flat, q, kv = rows.reshape(-1), rows.shape[0] * hpk * hd, rows.shape[0] * hd
-        return [flat[:q], flat[q:q + kv], flat[q + kv:]]
-    assert mode == "qkv", mode
-    return [rows[:, :hpk].reshape(-1), rows[:, hpk].reshape(-1), rows[:, hpk + 1].reshape(-1)]
-
-
 @rank_threads()  # the mixed-precision run is compared with it bit for bit
 def train_oracle(
     init: dict[str, torch.Tensor], split: int = 1, compute_dtype: torch.dtype | None = None,
@@ -344,12 +325,11 @@ def train_oracle(
     (the ranks' slices), their fp32 gradients summed, which measures how far bf16 Newton–Schulz carries
     summation-order noise. ``compute_dtype``: the model computes in it while the optimizers step fp32
     copies rounded back into it before every step, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
-    (parameters cast, buffers not). ``torch.optim.Muon`` steps each of q, k and v of the fused ``wqkv`` as a
-    parameter of its own (its rows' gradient copied in, the result copied back), every other matrix whole."""
+    (parameters cast, buffers not). The fused ``wqkv``'s q, k and v are parameters of their own to torch's Muon."""
     from torchtitan.components.optimizer import LRSchedulersContainer
-    from torchtitan.models.common.attention import FusedQKVLinear
 
     from dmuon.integrations.torchtitan import default_predicate
+    from tests.test_torchtitan_qkv import FusedQKVShadows
 
     _cpu_torchtitan()
     torch.manual_seed(0)
@@ -367,24 +347,16 @@ def train_oracle(
     rest = [n for n, p in params.items() if not default_predicate(n, p)]
     attention = [n for n in muon if re.search(ATTENTION, n)]
     norms = [n for n in rest if re.search(NORMS, n)]
-    # wqkv: one torch Muon parameter per q, k and v
-    shadows = {f"{name}.wqkv.weight": [(rows, torch.nn.Parameter(values[f"{name}.wqkv.weight"].detach()[rows].clone()))
-                                       for rows in qkv_rows(m)]
-               for name, m in model.named_modules() if isinstance(m, FusedQKVLinear)}
-    assert len(shadows) == N_LAYERS
-
-    def matrices(names: list[str]) -> list[torch.Tensor]:
-        return [m for n in names for m in ([s for _, s in shadows[n]] if n in shadows else [values[n]])]
-
+    shadows = FusedQKVShadows(model, values)
     opt_m = torch.optim.Muon(
-        [{"params": matrices(attention), "lr": ATTENTION_LR},
-         {"params": matrices([n for n in muon if n not in attention])}],
+        [{"params": shadows.matrices(attention), "lr": ATTENTION_LR},
+         {"params": shadows.matrices([n for n in muon if n not in attention])}],
         lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"], weight_decay=HP["weight_decay"])
     opt_a = torch.optim.AdamW(
         [{"params": [values[n] for n in norms], "weight_decay": 0.0},
          {"params": [values[n] for n in rest if n not in norms]}],
         lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"], weight_decay=HP["adamw_weight_decay"])
-    assert attention and norms and len(attention) < len(muon)
+    assert attention and norms and len(attention) < len(muon) and len(shadows.parts) == N_LAYERS
     scheds = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=[opt_m, opt_a], training_steps=STEPS)
     losses, norms = [], []
     per = GLOBAL_BATCH // split
@@ -395,8 +367,7 @@ def train_oracle(
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(values[n])
-        grads = {n: torch.zeros_like(v) for n, v in values.items()}
-        total = 0.0
+        grads, total = {n: torch.zeros_like(v) for n, v in values.items()}, 0.0
         for i in range(split):
             model.zero_grad()
             loss, _ = _loss_fn()(model(tok[i * per : (i + 1) * per]), tgt[i * per : (i + 1) * per],
@@ -408,14 +379,7 @@ def train_oracle(
         for n, v in values.items():
             v.grad = grads[n]
         norms.append(torch.nn.utils.clip_grad_norm_(list(values.values()), max_norm).item())
-        for n, parts in shadows.items():
-            for rows, s in parts:
-                s.grad = values[n].grad[rows]
-        opt_m.step()
-        with torch.no_grad():
-            for n, parts in shadows.items():
-                for rows, s in parts:
-                    values[n][rows] = s
+        shadows.step(opt_m)
         opt_a.step()
         scheds.step()
         losses.append(total)
@@ -633,12 +597,4 @@ def test_checkpoint_holds_each_dedicated_tensor_once_from_its_owner(runs: dict[s
 
 def test_example_script_runs_under_torchrun() -> None:
     proc = torchrun("examples/torchtitan_dmuon.py", "--steps", "4", timeout=300)
-    assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout
-
-
-def test_example_script_trains_the_moe_with_expert_parallelism() -> None:
-    """``--moe --ep 2``: qwen3's debugmodel_moe (one of its 8 layers on CPU: 64 experts, top-8) with its experts
-    placed over 2 ranks by torchtitan's expert parallelism (tests/test_torchtitan_moe.py holds the oracle)."""
-    proc = torchrun("examples/torchtitan_dmuon.py", "--moe", "--ep", "2", "--steps", "2", timeout=300)
-    assert "3 expert weights over 2 expert-parallel ranks" in proc.stdout, proc.stdout
     assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout

@@ -47,11 +47,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import dmuon  # noqa: E402
+from tests._asserts import torchrun  # noqa: E402
 from tests._dist import rank_threads, run_distributed  # noqa: E402
 from tests.test_torchtitan import (  # noqa: E402
     GLOBAL_BATCH, HP, LOSS_RTOL, MAX_NORM, NORM_RTOL, SAVE_AT, SEQ, STEPS, VOCAB, WARMUP, WEIGHT_RTOL, TrainState,
-    _cpu_torchtitan, _loss_fn, _rel, batch, qkv_rows,
+    _cpu_torchtitan, _loss_fn, _rel, batch,
 )
+from tests.test_torchtitan_qkv import qkv_rows  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast")  # torchtitan's router asks for fp32 autocast
 
@@ -464,7 +466,8 @@ def test_moe_settings_dmuon_cannot_honour_are_refused() -> None:
     from tests.test_torchtitan import tiny_llama3_config
 
     def dims(world: int, **kw: Any) -> ParallelDims:
-        args = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor")
+        args = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=world,
+                    spmd_backend="partial_dtensor")
         return ParallelDims(**{**args, **kw})
 
     def refused(model: Any, parallel_dims: ParallelDims, match: str, predicate: Any = None) -> None:
@@ -491,9 +494,18 @@ def test_moe_settings_dmuon_cannot_honour_are_refused() -> None:
             moe, parallel_dims=dims(8, ep=2), training=TrainingConfig(mixed_precision_param="float32"),
             parallelism=ParallelismConfig(spmd_backend="partial_dtensor"), compile_config=CompileConfig())
     # the default predicate: routed experts and shared experts on Muon, the router's gate not
-    picked = sorted(n for n, p in moe.named_parameters() if dmuon_tt.default_predicate(n, p) and n.startswith("layers.0."))
+    picked = sorted(n for n, p in moe.named_parameters()
+                    if dmuon_tt.default_predicate(n, p) and n.startswith("layers.0."))
     assert picked == ["layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight",
                       "layers.0.moe.routed_experts.inner_experts.w1_EFD",
                       "layers.0.moe.routed_experts.inner_experts.w2_EDF",
                       "layers.0.moe.routed_experts.inner_experts.w3_EFD", "layers.0.moe.shared_experts.w1.weight",
                       "layers.0.moe.shared_experts.w2.weight", "layers.0.moe.shared_experts.w3.weight"], picked
+
+
+def test_example_script_trains_the_moe_with_expert_parallelism() -> None:
+    """``--moe --ep 2``: qwen3's debugmodel_moe (one of its 8 layers on CPU: 64 experts, top-8) with its experts
+    placed over 2 ranks by torchtitan's expert parallelism (the tests above compare with the oracle)."""
+    proc = torchrun("examples/torchtitan_dmuon.py", "--moe", "--ep", "2", "--steps", "2", timeout=300)
+    assert "3 expert weights over 2 expert-parallel ranks" in proc.stdout, proc.stdout
+    assert "torchtitan_dmuon: OK loss" in proc.stdout, proc.stdout

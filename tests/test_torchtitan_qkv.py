@@ -6,7 +6,7 @@ what the owner runs, with the blocks the integration declares) against ``torch.o
 ``wk`` / ``wv`` that torchtitan's own checkpoint split (``FusedQKVLinear._split_qkv_on_save``) cuts out of the
 weight and its gradient, merged back by torchtitan's ``_merge_qkv_on_load``: no row arithmetic of dmuon's on the
 oracle side. The distributed runs (tests/test_torchtitan.py, _tp.py, _moe.py) train with the default through
-``dmuon_model_spec``.
+``dmuon_model_spec``; their oracles take q, k and v apart with :func:`qkv_rows` / :class:`FusedQKVShadows` here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,54 @@ HP = MuonHParams(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 #: group (the layout is then [q; k; v]); heads wider than the model (qwen3's head_dim=128 at dim=256), where q,
 #: k and v take different lrs under the "original" rule
 LAYOUTS = [(4, 2, 16, 64), (4, 4, 8, 32), (4, 1, 16, 32), (4, 2, 32, 32)]
+
+
+def qkv_rows(module: Any, mode: str = "qkv") -> list[torch.Tensor]:
+    """Row indices of the matrices Muon orthogonalises in a FusedQKVLinear's ``wqkv`` ([Note: fused QKV
+    blocks] in dmuon/integrations/torchtitan/_fused_qkv.py), from torchtitan's layout (``n_kv`` groups of
+    ``heads_per_kv`` q heads, a k head, a v head): ``"qkv"`` q, k and v gathered from every group (the stock
+    wq / wk / wv), ``"heads"`` each head, ``"whole"`` every row; ``"contiguous"`` the wrong split
+    ``[q_rows, k_rows, v_rows]`` of a ``[q; k; v]`` layout torchtitan does not have."""
+    hd, hpk, r = module.head_dim, module.heads_per_kv, module.r_dim
+    rows = torch.arange(module.wqkv.weight.shape[0]).view(-1, r, hd)
+    if mode == "whole":
+        return [rows.reshape(-1)]
+    if mode == "heads":
+        return list(rows.reshape(-1, hd))
+    if mode == "contiguous":
+        flat, q, kv = rows.reshape(-1), rows.shape[0] * hpk * hd, rows.shape[0] * hd
+        return [flat[:q], flat[q:q + kv], flat[q + kv:]]
+    assert mode == "qkv", mode
+    return [rows[:, :hpk].reshape(-1), rows[:, hpk].reshape(-1), rows[:, hpk + 1].reshape(-1)]
+
+
+class FusedQKVShadows:
+    """The oracles' side of the default: one ``torch.optim.Muon`` parameter per q, k and v of every
+    FusedQKVLinear ``wqkv`` of ``model``, whose values live in ``values`` (name -> the tensor its optimizer
+    steps)."""
+
+    def __init__(self, model: torch.nn.Module, values: dict[str, torch.Tensor], mode: str = "qkv") -> None:
+        from torchtitan.models.common.attention import FusedQKVLinear
+
+        self.values = values
+        fused = {f"{n}.wqkv.weight": m for n, m in model.named_modules() if isinstance(m, FusedQKVLinear)}
+        self.parts = {n: [(rows, torch.nn.Parameter(values[n].detach()[rows].clone())) for rows in qkv_rows(m, mode)]
+                      for n, m in fused.items()}
+
+    def matrices(self, names: list[str]) -> list[torch.Tensor]:
+        """What torch's Muon steps for ``names``: the q, k, v parts of a ``wqkv``, every other tensor itself."""
+        return [m for n in names for m in ([s for _, s in self.parts[n]] if n in self.parts else [self.values[n]])]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``, each part's gradient copied in from its rows first and its value back after."""
+        for n, parts in self.parts.items():
+            for rows, s in parts:
+                s.grad = self.values[n].grad[rows]
+        optimizer.step()
+        with torch.no_grad():
+            for n, parts in self.parts.items():
+                for rows, s in parts:
+                    self.values[n][rows] = s
 
 
 def fused_qkv(n_heads: int, n_kv: int, head_dim: int, dim: int) -> Any:
