@@ -45,8 +45,8 @@ Scope (each checked with a ``ValueError`` naming the setting):
 
 * data parallelism, FSDP or HSDP (``data_parallel_replicate_degree > 1``), tensor parallelism over either
   (``tensor_parallel_degree > 1``, torchtitan 0.3.0's ``model.parallelize`` plan) and expert parallelism
-  with FSDP (``expert_parallel_degree > 1``); no CP or PP, since dmuon's mesh must cover every rank; under TP
-  no ``compile.enable_async_tensor_parallel`` (untested); with experts on Muon, no EP with TP or HSDP
+  with FSDP or HSDP (``expert_parallel_degree > 1``); no CP or PP, since dmuon's mesh must cover every rank;
+  under TP no ``compile.enable_async_tensor_parallel`` (untested); with experts on Muon, no EP with TP
   (untested), no EP over more FSDP shard ranks than experts and no TP without EP (both split experts across
   ranks; [Note: torchtitan MoE]);
 * ``parallelism.spmd_backend="partial_dtensor"`` (the ``full_dtensor`` / ``spmd_types`` backends demand
@@ -64,7 +64,7 @@ Tested on CPU/gloo (2-rank FSDP, 2x2 HSDP, selective activation checkpointing, 2
 torchtitan's default mixed precision; TP with sequence parallelism and the vocab-parallel loss at dp=1 x
 tp=2, dp=2 x tp=2 and 2 replicas x 1 shard x tp=2, a dp=1 x tp=2 resume, tp=2 under the default mixed
 precision: ``tests/test_torchtitan_tp.py``; a qwen3 MoE with shared experts at EP=2 on 2 ranks, Z2 and Z3,
-a resume: ``tests/test_torchtitan_moe.py``, with pinned routing and fp32 experts) by driving these pieces
+a resume, and on 2 replicas x 2 shards (HSDP): ``tests/test_torchtitan_moe.py``, with pinned routing) by driving these pieces
 with the calls and arguments ``Trainer.__init__`` / ``train_step`` use; ``Trainer`` itself was not run (on
 CPU its device-memory monitor needs CUDA). Not tested: CUDA, ``torch.compile`` of the blocks, async
 checkpoint modes, MoE with learned routing or torchtitan's bf16 experts against an oracle, deepseek_v3's

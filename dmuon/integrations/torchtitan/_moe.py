@@ -21,10 +21,12 @@ the experts ``Shard(0)`` over "ep"; dmuon dedicates right after it, as under ten
 shards them once more over "efsdp": along dim 0 (``_StridedShard(0)``), so each rank still holds whole
 experts and Newton–Schulz runs where they live, unless the ``efsdp x ep`` ranks outnumber the experts, where
 torchtitan switches the experts to ``Shard(1)`` (each expert's rows split over ranks, against padding): Muon
-would then need a gather per expert, which dmuon does not do, so that setting is refused. Also refused, as
-untested or unsupported: expert parallelism with tensor parallelism (torchtitan's EP borrows the TP ranks)
-or with HSDP, and tensor parallelism without expert parallelism, which splits every expert's hidden
-dimension over "tp" (expert tensor parallelism) when the experts take Muon. Each refusal is a ``ValueError``
+would then need a gather per expert, which dmuon does not do, so that setting is refused. Under HSDP
+(``data_parallel_replicate_degree > 1``) each replicate row holds and updates its own copy of its experts
+([Note: Muon on the engine's shards] in ``dmuon/optim/sharded.py``). Also refused, as untested or
+unsupported: expert parallelism with tensor parallelism (torchtitan's EP borrows the TP ranks), and tensor
+parallelism without expert parallelism, which splits every expert's hidden dimension over "tp" (expert
+tensor parallelism) when the experts take Muon. Each refusal is a ``ValueError``
 naming the settings, raised from the configuration alone, so on every rank alike and before anything is
 sharded.
 """
@@ -71,12 +73,6 @@ def check_moe_options(model: nn.Module, parallel_dims: ParallelDims,
             f"dmuon torchtitan: expert_parallel_degree={ep} with tensor_parallel_degree={tp} is not supported "
             "(torchtitan's expert parallelism then borrows the TP ranks; untested with dmuon). Use one of them, "
             "or keep the experts off Muon with a predicate."
-        )
-    if ep > 1 and parallel_dims.dp_replicate > 1:
-        raise ValueError(
-            f"dmuon torchtitan: expert_parallel_degree={ep} with data_parallel_replicate_degree="
-            f"{parallel_dims.dp_replicate} (HSDP) is not supported (untested with dmuon); use FSDP "
-            "(data_parallel_replicate_degree=1) with expert parallelism."
         )
     if ep == 1 and tp > 1:
         raise ValueError(
