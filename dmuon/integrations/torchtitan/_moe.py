@@ -10,7 +10,7 @@ torchtitan 0.3.0's MoE layer (``moe.MoE``: qwen3's ``debugmodel_moe``, deepseek_
   the shard dimension gets an expert or expert parallelism placed them (``muon_sharded``), else on one
   owner (``muon``) ([Note: routes] in ``dmuon/runtime/route.py``);
 * the shared experts, ``moe.shared_experts.w1/w2/w3`` (deepseek_v3): plain 2-D projections, dedicated like
-  the dense feed-forward (Moonlight and torchtitan's Kimi recipe put them on Muon too);
+  the dense feed-forward (torchtitan's Kimi K2 DistMuon recipe puts them on Muon too);
 * the router gate ``moe.router.gate.weight`` ``[E, D]``: it scores experts, and stays on AdamW by default,
   like the embeddings (torchtitan's Kimi K2 recipe puts it on Muon, citing Moonlight's Figure 4; pass a
   predicate that selects it to do the same: it is then one more 2-D matrix).
@@ -26,9 +26,8 @@ would then need a gather per expert, which dmuon does not do, so that setting is
 ([Note: Muon on the engine's shards] in ``dmuon/optim/sharded.py``). Also refused, as untested or
 unsupported: expert parallelism with tensor parallelism (torchtitan's EP borrows the TP ranks), and tensor
 parallelism without expert parallelism, which splits every expert's hidden dimension over "tp" (expert
-tensor parallelism) when the experts take Muon. Each refusal is a ``ValueError``
-naming the settings, raised from the configuration alone, so on every rank alike and before anything is
-sharded.
+tensor parallelism) when the experts take Muon. Each refusal is a ``ValueError`` naming the settings,
+raised from the configuration alone, so on every rank alike and before anything is sharded.
 """
 
 from __future__ import annotations
