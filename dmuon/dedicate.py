@@ -250,7 +250,7 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
         for s in selected
     }
     specs = [ParamSpec(s.fqn, plan_shape(s), boundary_of[s.fqn], tp_split=tp_split(s, tp_mesh),
-                       rows=None if s.blocks is None or len(s.blocks.rows) == 1 else s.blocks.rows)
+                       rows=None if s.blocks is None or len(s.blocks.rows) == 1 else s.blocks.spec)
              for s in selected]
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     preload = engine_loads(chosen.sharded, mesh.size(), replicas, blocks_ns_cost) if chosen.sharded else None

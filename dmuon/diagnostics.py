@@ -121,7 +121,7 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
                 shape = tuple(p.to_local().shape)
                 if not shape[0]:
                     continue
-                key = (Blocks.of(shape, layouts[canonical_name(name)].rows), None)
+                key = (Blocks.of(shape, layouts[canonical_name(name)].spec), None)
             else:
                 key = (dp.blocks, (dp.tp_dim, math.prod(dp.shape)) if dp.tp_dim is not None else None)
             counts[key] = counts.get(key, 0) + 1
@@ -133,7 +133,7 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
                                            tp_size=state.tp_mesh.size())
             for run in blocks.runs:
                 batch = mine * blocks.batch * run.count
-                out.append((batch, (run.size, blocks.cols), group["ns_backend"], device, sent))
+                out.append((batch, (blocks.groups * run.size, blocks.cols), group["ns_backend"], device, sent))
                 sent = 0  # the exchange moves each group once
     return [c for c in out if c[0] or c[4]]
 
@@ -207,7 +207,7 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
                    # a TP matrix's NS runs whole on one of its tp ranks: 1/t of it each on average (exactly,
                    # per rank, with ``optimizer``, below)
                    "ns_flops": shard_ns_cost(tuple(dp.shape), None if dp.tp_dim is None else (dp.tp_dim, tp_size),
-                                             dp.blocks.rows if dp.blocks is not None else None)
+                                             dp.blocks.spec if dp.blocks is not None else None)
                    if dp.route is Route.MUON else 0.0}
                   for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .runtime.blocks import Blocks
+from .runtime.blocks import Blocks, RowBlocks
 
 __all__ = [
     "ParamSpec",
@@ -104,8 +104,7 @@ def blocks_ns_cost(blocks: Blocks) -> float:
     return float(_blocks_flops(blocks))
 
 
-def shard_ns_cost(shape: tuple[int, ...], tp_split: tuple[int, int] | None,
-                  rows: tuple[int, ...] | None = None) -> float:
+def shard_ns_cost(shape: tuple[int, ...], tp_split: tuple[int, int] | None, rows: RowBlocks = None) -> float:
     """:func:`ns_cost` of what one rank carries for a parameter it holds ``shape`` of: the sum over its
     matrices (``shape`` may be a batch ``(E, m, n)``, ``rows`` its row blocks, see [Note: matrix blocks] in
     ``dmuon/runtime/blocks.py``), or under tensor parallelism (``tp_split = (tp_dim, tp_size)``, ``shape`` a
@@ -114,9 +113,15 @@ def shard_ns_cost(shape: tuple[int, ...], tp_split: tuple[int, int] | None,
     dims = _check_shape(shape, "shard_ns_cost", batched=tp_split is None)
     if tp_split is None:
         return float(_blocks_flops(Blocks.of(dims, rows, what="shard_ns_cost")))
+    return _blocks_flops(Blocks.of(_full_shape(dims, tp_split), rows, what="shard_ns_cost")) / tp_split[1]
+
+
+def _full_shape(shape: tuple[int, ...], tp_split: tuple[int, int] | None) -> tuple[int, ...]:
+    """The whole matrix of which ``shape`` is a TP shard (``shape`` itself without ``tp_split``)."""
+    if tp_split is None:
+        return shape
     dim, t = tp_split
-    full = (dims[0] * t, dims[1]) if dim == 0 else (dims[0], dims[1] * t)
-    return _blocks_flops(Blocks.of(full, rows, what="shard_ns_cost")) / t
+    return (shape[0] * t, shape[1]) if dim == 0 else (shape[0], shape[1] * t)
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,8 @@ class ParamSpec:
     #: ``dmuon/optim/tp_update.py``): it weighs ``1/tp_size`` of the whole matrix's cost. ``(tp_dim, tp_size)``
     tp_split: tuple[int, int] | None = None
     #: declared row blocks of each matrix (fused QKV), ``None``: one block ([Note: matrix blocks] in
-    #: ``dmuon/runtime/blocks.py``)
-    rows: tuple[int, ...] | None = None
+    #: ``dmuon/runtime/blocks.py``); they split the whole matrix, also when ``shape`` is a TP shard of it
+    rows: RowBlocks = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -153,7 +158,7 @@ class ParamSpec:
         what = f"ParamSpec {self.fqn!r}"
         object.__setattr__(self, "shape", _check_shape(self.shape, what, batched=self.tp_split is None))
         if self.rows is not None:
-            object.__setattr__(self, "rows", Blocks.of(self.shape, self.rows, what=what).rows)
+            object.__setattr__(self, "rows", Blocks.of(_full_shape(self.shape, self.tp_split), self.rows, what=what).spec)
 
     @property
     def numel(self) -> int:

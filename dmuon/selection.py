@@ -33,8 +33,9 @@ Predicate = Callable[[str, nn.Parameter], bool]
 #: to leave the param to ``predicate`` (selected: ``Route.MUON``, or ``Route.MUON_SHARDED`` for a large
 #: enough batch of matrices; else FSDP2's).
 RouteFn = Callable[[str, nn.Parameter], "Route | str | None"]
-#: ``blocks(fqn, param)``: the row blocks of a Muon param (``None``, a count, or row sizes), see
-#: [Note: matrix blocks] in ``dmuon/runtime/blocks.py``.
+#: ``blocks(fqn, param)``: the row blocks of a Muon param (``None``, a count, row sizes, or
+#: ``dmuon.runtime.blocks.Interleaved`` for blocks that repeat per group of rows), see [Note: matrix blocks]
+#: in ``dmuon/runtime/blocks.py``.
 BlocksFn = Callable[[str, nn.Parameter], RowBlocks]
 
 
@@ -241,7 +242,7 @@ def engine_loads(sharded: Sequence[Selected], shard_size: int, replicas: int,
     parallelism is counted as split evenly (its further split follows the user's meshes)."""
     per_shard = [0.0] * shard_size
     for s in sharded:
-        blocks = Blocks.of(s.param.shape, s.blocks.rows if s.blocks is not None else None)
+        blocks = Blocks.of(s.param.shape, s.blocks.spec if s.blocks is not None else None)
         E = s.param.shape[0]
         per_slice = cost(blocks) / E  # one index of dim 0 (an expert, with any inner batch and row blocks)
         if isinstance(s.param, DTensor):

@@ -3,14 +3,19 @@
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py            # FSDP over 2 ranks
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --tp 2     # tensor parallel, dp=1 x tp=2
     torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --tp 2     # dp=2 x tp=2
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --moe --ep 2  # qwen3 MoE, expert parallel
 
-torchtitan's debug Llama 3 (``llama3_configs["debugmodel"]``: fused QKV, complex RoPE) goes through
-torchtitan's own components, wired the way its Trainer wires them, with dmuon plugged in at three points:
+torchtitan's debug Llama 3 (``llama3_configs["debugmodel"]``: fused QKV, complex RoPE), or with ``--moe`` its
+debug qwen3 MoE (``qwen3_configs["debugmodel_moe"]``: 64 experts, top-8 routing, fused QKV with qk-norm),
+goes through torchtitan's own components, wired the way its Trainer wires them, with dmuon plugged in at
+three points:
 
 1. ``with_dmuon(parallelize_llama)``: dmuon dedicates the blocks' matrices, then torchtitan's FSDP2 path
    (``apply_fsdp_to_decoder`` -> ``fully_shard``) shards everything else; with ``--tp N``
    (``parallelism.tensor_parallel_degree``) torchtitan's own TP plan splits the model first and dmuon
-   dedicates the TP-sharded matrices right after it (owners over the data-parallel ranks);
+   dedicates the TP-sharded matrices right after it (owners over the data-parallel ranks); with ``--ep N``
+   (``parallelism.expert_parallel_degree``, with ``--moe``) torchtitan places the experts over N ranks and
+   dmuon runs Muon on each rank's experts where they are (the fused ``wqkv`` always as its q, k and v);
 2. ``DMuonOptimizersContainer.Config(...)`` where torchtitan builds its optimizers (Muon on the owned
    matrices, AdamW for the rest), driven by torchtitan's ``LRSchedulersContainer``;
 3. ``DMuonCheckpointManager.Config(...)`` where torchtitan builds its DCP checkpointer.
@@ -23,7 +28,8 @@ docstring of ``dmuon.integrations.torchtitan``).
 Runs on CUDA (NCCL) when available, otherwise CPU (gloo); only the CPU path has been run. Attention is
 causal SDPA instead of torchtitan's default flex attention (which has no CPU backward). CPU workarounds:
 torchtitan's device type is set to "cpu" (it assumes CUDA when no accelerator is visible); by default only
-2 of the 6 layers are built (Newton–Schulz runs in bf16, slow on CPU) and the model computes in fp32 instead
+2 of the 6 layers are built (1 of the MoE's 8; Newton–Schulz runs in bf16, slow on CPU, and the MoE layer has
+192 expert matrices) and the model computes in fp32 instead
 of torchtitan's default bf16 (bf16 matmuls are slow on CPU too; ``--mixed-precision-param bfloat16`` turns
 it on). The checkpoint goes to a temporary folder unless ``--out`` is given. Exits non-zero if the loss did
 not fall by the margin its last line states (``dmuon.tools.verdict``).
@@ -62,13 +68,15 @@ try:
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
     import torchtitan.tools.utils as tt_utils
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer import LRSchedulersContainer, register_moe_load_balancing_hook
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as tt_dist_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan.models.qwen3 import parallelize_qwen3, qwen3_configs
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 except ImportError as e:
     sys.exit(f"torchtitan_dmuon: needs the [torchtitan] extra (torchtitan 0.3.0, triton): "
              f"pip install torch==2.13.0 -e \".[torchtitan]\" (missing: {(e.name or str(e)).split('.')[0]})")
@@ -104,9 +112,13 @@ def main() -> int:
     parser.add_argument("--mixed-precision-param", choices=("bfloat16", "float32"), default=None,
                         help="torchtitan's training.mixed_precision_param (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--tp", type=int, default=1, help="parallelism.tensor_parallel_degree (divides the ranks)")
+    parser.add_argument("--moe", action="store_true", help="qwen3's debugmodel_moe instead of the debug Llama 3")
+    parser.add_argument("--ep", type=int, default=1, help="parallelism.expert_parallel_degree (with --moe)")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
     args = parser.parse_args()
+    if args.ep > 1 and not args.moe:
+        parser.error("--ep needs --moe (the debug Llama 3 has no experts)")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -120,7 +132,8 @@ def main() -> int:
 
     # torchtitan: meshes and the debug model, built on the meta device
     # "partial_dtensor": dmuon keeps some params whole, the other backends want every param a DTensor
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=args.tp)
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=args.tp,
+                                    expert_parallel_degree=args.ep)
     # torchtitan's mixed precision (fp32 weights, bf16 compute, fp32 gradient reduce) covers the dedicated
     # matrices too (tensor-parallel ones included); on CPU the default is fp32 compute, since bf16 matmuls
     # are slow there
@@ -128,20 +141,26 @@ def main() -> int:
     training = TrainingConfig(mixed_precision_param=mp_param, disable_cuda_graphs=True, steps=args.steps)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
-    model_config = llama3_configs["debugmodel"](attn_backend="flex")
-    n_layers = args.layers if args.layers is not None else (len(model_config.layers) if use_cuda else 2)
+    configs, parallelize_fn = (qwen3_configs, parallelize_qwen3) if args.moe else (llama3_configs, parallelize_llama)
+    model_config = configs["debugmodel_moe" if args.moe else "debugmodel"](attn_backend="flex")
+    n_layers = args.layers if args.layers is not None else (len(model_config.layers) if use_cuda else
+                                                            1 if args.moe else 2)
     model_config.layers = model_config.layers[:n_layers]
     for layer in model_config.layers:  # causal SDPA: runs on CPU too (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    # what the Trainer's model_config.update_from_config does: the TP plan (used only when tp > 1)
-    set_llama3_sharding_config(model_config, enable_sp=parallelism.enable_sequence_parallel)
+    # what the Trainer's model_config.update_from_config does: the TP / EP plan (used only when tp or ep > 1)
+    if args.moe:
+        set_qwen3_sharding_config(model_config, enable_sp=parallelism.enable_sequence_parallel,
+                                  enable_ep=args.ep > 1)
+    else:
+        set_llama3_sharding_config(model_config, enable_sp=parallelism.enable_sequence_parallel)
     dp_mesh = parallel_dims.get_mesh("fsdp")  # this rank's data-parallel group (its tp ranks share the batch)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     with torch.device("meta"):
         model = model_config.build()
 
     # 1. dmuon dedicates the matrices, then torchtitan's own parallelize (FSDP2) shards the rest
-    model = with_dmuon(parallelize_llama)(
+    model = with_dmuon(parallelize_fn)(
         model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
         compile_config=CompileConfig(), ac_config=None, dump_folder="outputs",
     )
@@ -153,6 +172,8 @@ def main() -> int:
 
     # 2. optimizers and LR schedule where torchtitan builds them
     optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
+    if args.moe:  # the qwen3 spec's post_optimizer_build_fn: MoE load balancing before each step
+        register_moe_load_balancing_hook(optimizers, [model], parallel_dims)
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                                        training_steps=args.steps)
     # 3. torchtitan's DCP checkpointer, saving through dmuon
@@ -166,8 +187,11 @@ def main() -> int:
             states={}, sd_adapter=None, base_folder=base_folder)
     if rank == 0:
         dedicated = dmuon.get_dedicated_params(model)
+        experts = [n for n, p in model.named_parameters() if p.ndim == 3]
         print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {dp} data-parallel x {args.tp} "
-              f"tensor-parallel ranks, {len(dmuon.get_owned_params(model))} on rank 0", flush=True)
+              f"tensor-parallel ranks, {len(dmuon.get_owned_params(model))} on rank 0"
+              + (f"; {len(experts)} expert weights over {args.ep} expert-parallel ranks" if args.moe else ""),
+              flush=True)
 
     loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
     losses: list[float] = []
@@ -179,7 +203,8 @@ def main() -> int:
         optimizers.zero_grad()
         loss, _ = loss_fn(model(tok), tgt, global_valid_tokens)  # local sum / global token count
         loss.backward()
-        grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True)
+        grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True,
+                                                  ep_enabled=parallel_dims.ep_enabled)
         optimizers.step()
         lr_schedulers.step()
         checkpointer.save(step, last_step=step == args.steps)

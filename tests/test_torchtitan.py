@@ -325,10 +325,11 @@ def train_oracle(
     (the ranks' slices), their fp32 gradients summed, which measures how far bf16 Newton–Schulz carries
     summation-order noise. ``compute_dtype``: the model computes in it while the optimizers step fp32
     copies rounded back into it before every step, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
-    (parameters cast, buffers not)."""
+    (parameters cast, buffers not). The fused ``wqkv``'s q, k and v are parameters of their own to torch's Muon."""
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from dmuon.integrations.torchtitan import default_predicate
+    from tests.test_torchtitan_qkv import FusedQKVShadows
 
     _cpu_torchtitan()
     torch.manual_seed(0)
@@ -346,15 +347,16 @@ def train_oracle(
     rest = [n for n, p in params.items() if not default_predicate(n, p)]
     attention = [n for n in muon if re.search(ATTENTION, n)]
     norms = [n for n in rest if re.search(NORMS, n)]
+    shadows = FusedQKVShadows(model, values)
     opt_m = torch.optim.Muon(
-        [{"params": [values[n] for n in attention], "lr": ATTENTION_LR},
-         {"params": [values[n] for n in muon if n not in attention]}],
+        [{"params": shadows.matrices(attention), "lr": ATTENTION_LR},
+         {"params": shadows.matrices([n for n in muon if n not in attention])}],
         lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"], weight_decay=HP["weight_decay"])
     opt_a = torch.optim.AdamW(
         [{"params": [values[n] for n in norms], "weight_decay": 0.0},
          {"params": [values[n] for n in rest if n not in norms]}],
         lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"], weight_decay=HP["adamw_weight_decay"])
-    assert attention and norms and len(attention) < len(muon)
+    assert attention and norms and len(attention) < len(muon) and len(shadows.parts) == N_LAYERS
     scheds = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=[opt_m, opt_a], training_steps=STEPS)
     losses, norms = [], []
     per = GLOBAL_BATCH // split
@@ -365,8 +367,7 @@ def train_oracle(
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(values[n])
-        grads = {n: torch.zeros_like(v) for n, v in values.items()}
-        total = 0.0
+        grads, total = {n: torch.zeros_like(v) for n, v in values.items()}, 0.0
         for i in range(split):
             model.zero_grad()
             loss, _ = _loss_fn()(model(tok[i * per : (i + 1) * per]), tgt[i * per : (i + 1) * per],
@@ -378,7 +379,7 @@ def train_oracle(
         for n, v in values.items():
             v.grad = grads[n]
         norms.append(torch.nn.utils.clip_grad_norm_(list(values.values()), max_norm).item())
-        opt_m.step()
+        shadows.step(opt_m)
         opt_a.step()
         scheds.step()
         losses.append(total)

@@ -93,7 +93,7 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
         target = update_target(p, st, master_dtype, seen)
         grad = p.grad._local_tensor.to(target.dtype)
         rule.init_state_(st, p, target.dtype)
-        blocks = Blocks.of(target.shape, layouts[fqn].rows)  # this rank's experts, the param's row blocks
+        blocks = Blocks.of(target.shape, layouts[fqn].spec)  # this rank's experts, the param's row blocks
         batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad))
     for (*_, blocks), items in batches.items():
         rule.update_([t for _, t, _ in items], [g for _, _, g in items],

@@ -240,6 +240,8 @@ def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
         if update.ndim == 2:
             return _orthogonalise(update, hp)
         return _orthogonalise(update.reshape(-1, blocks.rows[0], n), hp).view(update.shape)
+    if blocks.groups > 1:
+        return _orthogonalise_interleaved(update, hp, blocks)
     out: Tensor | None = None
     for run in blocks.runs:
         region = update[..., run.start:run.stop, :]
@@ -271,6 +273,23 @@ def decay_(param: Tensor, update: Tensor, hp: MuonHParams) -> None:
     # where(mask, W * f, W): the scalar multiply rounds as mul_(f) does (a tensor of factors would round f
     # to the param's dtype first)
     param.copy_(torch.where((update * param) >= 0, param * factor, param))
+
+
+def _orthogonalise_interleaved(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
+    """:func:`orthogonalise` for blocks that repeat ``blocks.groups`` times along the rows: each run's rows
+    gathered from every group, ``(..., c, groups * size, n)``, one batched call, scattered back."""
+    groups, n = blocks.groups, blocks.cols
+    # (..., groups, period, n) views; a run's region (..., groups, c * size, n) -> (..., c, groups, size, n)
+    view = update.unflatten(-2, (groups, blocks.period))
+    out: Tensor | None = None
+    for run in blocks.runs:
+        region = view[..., run.start:run.stop, :].unflatten(-2, (run.count, run.size)).transpose(-4, -3)
+        result = _orthogonalise(region.reshape(-1, groups * run.size, n), hp)
+        if out is None:
+            out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
+        target = out.unflatten(-2, (groups, blocks.period))[..., run.start:run.stop, :]
+        target.unflatten(-2, (run.count, run.size)).transpose(-4, -3).copy_(result.view(region.shape))
+    return out  # type: ignore[return-value]
 
 
 def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, blocks: Blocks, row_start: int = 0) -> None:

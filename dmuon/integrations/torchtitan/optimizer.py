@@ -114,7 +114,9 @@ def clip_grad_norm_(
 
     ``parameters`` must be all the parameters of one dmuon model, as the Trainer passes them. The norm is the
     global one (dedicated gradients on their owners, FSDP2 shards, plain gradients once), identical on every
-    rank; ``foreach`` is ignored. Pipeline and expert parallelism are refused.
+    rank; ``foreach`` is ignored. Pipeline parallelism is refused; under expert parallelism
+    (``ep_enabled``) the experts' gradients are DTensors over ("efsdp", "ep"), and each rank counts its own
+    shard of them as of every other FSDP2 gradient.
 
     Example::
 
@@ -123,11 +125,9 @@ def clip_grad_norm_(
         optimizers.step()
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if pp_mesh is not None or ep_enabled:
+    if pp_mesh is not None:
         raise ValueError(
-            f"dmuon torchtitan clip_grad_norm_: pipeline/expert parallelism is not supported (pp_mesh={pp_mesh!r}, "
-            f"ep_enabled={ep_enabled!r})"
-        )
+            f"dmuon torchtitan clip_grad_norm_: pipeline parallelism is not supported (pp_mesh={pp_mesh!r})")
     return dmuon.clip_grad_norm_(_model_of(params), max_norm, norm_type, error_if_nonfinite)
 
 

@@ -1,7 +1,7 @@
 """dmuon in torchtitan's ``parallelize_fn`` step: which matrices to dedicate, :func:`dedicate` on torchtitan's
-meshes, :func:`with_dmuon` / :func:`dmuon_model_spec` that run it before ``fully_shard`` (after the TP step
-under tensor parallelism, [Note: tensor parallelism]), the trainer settings they check first, and the
-mixed-precision dtypes they hand to dmuon.
+meshes, :func:`with_dmuon` / :func:`dmuon_model_spec` that run it before ``fully_shard`` (after the model's
+``parallelize`` step under tensor or expert parallelism, [Note: tensor parallelism]), the trainer settings
+they check first, and the mixed-precision dtypes they hand to dmuon.
 
 [Note: mixed precision]
 torchtitan's parallelize functions always give FSDP2 ``MixedPrecisionPolicy(param_dtype=
@@ -43,13 +43,15 @@ import dmuon
 from ...runtime.comm import all_gather_default
 from ...runtime.precision import is_wider
 from ...partition import OwnerPlan
-from ._fused_qkv import _unhook_fused_qkv
+from ._fused_qkv import QKVBlocks, _unhook_fused_qkv, fused_qkv_blocks
+from ._moe import ROUTED_EXPERT, check_moe_options
 
 Predicate = Callable[[str, nn.Parameter], bool]
 
-#: Matrices of torchtitan's dense decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and
-#: ``wo``) and the dense feed-forward (``w1``/``w2``/``w3``).
-_BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward)\.(?:.+\.)?weight$")
+#: Matrices of torchtitan's decoder blocks: attention (fused ``wqkv`` or ``wq``/``wk``/``wv``, and ``wo``;
+#: MLA's ``wq``/``wkv_a``/``wkv_b``), the dense feed-forward (``w1``/``w2``/``w3``) and an MoE layer's shared
+#: experts (the same three). Not the MoE router's gate.
+_BLOCK_MATRIX = re.compile(r"^layers\.\d+\.(?:attention|feed_forward|moe\.shared_experts)\.(?:.+\.)?weight$")
 
 #: Named in the TP errors, which depend on torchtitan 0.3.0's module protocol.
 _TORCHTITAN_VERSION: str = getattr(torchtitan, "__version__", "of unknown version")
@@ -59,12 +61,17 @@ _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def default_predicate(fqn: str, param: nn.Parameter) -> bool:
-    """The 2-D weights of every decoder block's attention and dense feed-forward.
+    """The 2-D weights of every decoder block's attention, dense feed-forward and MoE shared experts, and the
+    3-D routed experts (``w1_EFD``, ``w2_EDF``, ``w3_EFD``: each expert its own matrix).
 
-    Embeddings, ``lm_head``, norms, MoE routers and (3-D) experts stay on AdamW, as Muon intends. ``fqn`` is
-    compared in torchtitan's canonical form (activation-checkpoint wrapper segments removed).
+    Embeddings, ``lm_head``, norms and the MoE router's gate stay on AdamW ([Note: torchtitan MoE] in
+    ``_moe.py``). ``fqn`` is compared in torchtitan's canonical form (activation-checkpoint wrapper segments
+    removed).
     """
-    return param.ndim == 2 and _BLOCK_MATRIX.match(canonical_fqn(fqn)) is not None
+    name = canonical_fqn(fqn)
+    if param.ndim == 3:
+        return ROUTED_EXPERT.match(name) is not None
+    return param.ndim == 2 and _BLOCK_MATRIX.match(name) is not None
 
 
 def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
@@ -73,13 +80,12 @@ def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
     others = {
         "context_parallel_degree": parallel_dims.cp,
         "pipeline_parallel_degree": parallel_dims.pp,
-        "expert_parallel_degree": parallel_dims.ep,
     }
     unsupported = {k: v for k, v in others.items() if v != 1}
     if unsupported:
         raise ValueError(
-            f"dmuon torchtitan: only data and tensor parallelism (FSDP / HSDP, and TP over either) are supported, got "
-            f"{unsupported}; dmuon's mesh must cover every rank."
+            f"dmuon torchtitan: only data, tensor and expert parallelism (FSDP / HSDP, TP over either, EP) are "
+            f"supported, got {unsupported}; dmuon's mesh must cover every rank."
         )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
@@ -129,16 +135,20 @@ def dedicate(
     prefetch: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> OwnerPlan:
     """:func:`dmuon.dedicate_params` on torchtitan's data-parallel meshes; call it before ``parallelize_fn``
-    (with ``tensor_parallel_degree > 1``: after torchtitan's TP step and before ``fully_shard``, which
-    :func:`with_dmuon` arranges).
+    (with ``tensor_parallel_degree > 1`` or ``expert_parallel_degree > 1``: after the model's
+    ``parallelize`` step and before ``fully_shard``, which :func:`with_dmuon` arranges).
 
     The shard mesh is ``parallel_dims``' ``"fsdp"`` mesh; with ``data_parallel_replicate_degree > 1`` the
     ``"dp_replicate"`` mesh becomes dmuon's ``replicate_mesh`` (HSDP). Under TP dmuon gets the same ranks as
     a ``("dp", "tp")`` or ``("replicate", "shard", "tp")`` mesh, and the TP-sharded matrices are dedicated
-    as DTensors over "tp" ([Note: tensor parallelism]). ``predicate(fqn, param)`` defaults to
-    :func:`default_predicate`. Works on meta-device models (torchtitan's ``to_empty`` comes later).
+    as DTensors over "tp" ([Note: tensor parallelism]); experts placed by expert parallelism stay where they
+    are, Muon running on each rank's experts ([Note: torchtitan MoE] in ``_moe.py``). ``predicate(fqn, param)``
+    defaults to :func:`default_predicate`. ``qkv_blocks``: how Muon splits a fused ``wqkv``, ``"qkv"`` (q, k
+    and v, each alone), ``"heads"`` (one matrix per head) or ``"whole"`` (one matrix), see [Note: fused QKV
+    blocks] in ``_fused_qkv.py``. Works on meta-device models (torchtitan's ``to_empty`` comes later).
     ``reshard_after_forward``, ``prefetch``, ``param_dtype`` and ``reduce_dtype`` are
     :func:`dmuon.dedicate_params`'s. The dtypes must match the ``MixedPrecisionPolicy`` torchtitan gives
     FSDP2, or the first forward meets bf16 activations with fp32 weights: take them from
@@ -153,11 +163,13 @@ def dedicate(
         model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, ...)
     """
     _check_parallel_dims(parallel_dims)
+    predicate = predicate if predicate is not None else default_predicate
+    check_moe_options(model, parallel_dims, predicate)
+    blocks = fused_qkv_blocks(model, qkv_blocks)
     mesh, replicate = _meshes(model, parallel_dims)
     plan = dmuon.dedicate_params(
-        model, mesh, predicate if predicate is not None else default_predicate,
-        replicate_mesh=replicate, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        model, mesh, predicate, replicate_mesh=replicate, reshard_after_forward=reshard_after_forward,
+        prefetch=prefetch, param_dtype=param_dtype, reduce_dtype=reduce_dtype, blocks=blocks,
     )
     _adopt(model)
     return plan
@@ -241,11 +253,14 @@ def _sum_reductions_on_gloo(model: nn.Module) -> None:
 
 
 # [Note: tensor parallelism]
-# torchtitan 0.3.0's ``parallelize_llama`` (and its other dense models') applies TP, activation
+# torchtitan 0.3.0's ``parallelize_llama`` (and its other models') applies TP, activation
 # checkpointing, compile and FSDP2 in one function, and dmuon must dedicate between the first and the last:
-# after TP has made the matrices DTensors over "tp", before ``fully_shard``. The TP step is torchtitan's
-# public module protocol, ``model.parallelize(parallel_dims)`` (``torchtitan.protocols.module.Module``:
-# each submodule distributes its parameters by its ``sharding_config``), called on the root model. So
+# after TP has made the matrices DTensors over "tp", before ``fully_shard``. Expert parallelism takes the same
+# step (it places the experts ``Shard(0)`` over "ep"; qwen3 and deepseek_v3 call ``model.parallelize`` when
+# TP or EP is on), so dmuon dedicates after it under EP too ([Note: torchtitan MoE] in ``_moe.py``). The TP
+# step is torchtitan's public module protocol, ``model.parallelize(parallel_dims)``
+# (``torchtitan.protocols.module.Module``: each submodule distributes its parameters by its
+# ``sharding_config``), called on the root model. So
 # :func:`with_dmuon` shadows ``parallelize`` on that one model instance with a function that runs the
 # class's own method and then :func:`dedicate`; nothing of torchtitan is patched, no private name is
 # used, and the hook is gone once it ran. The alternatives were worse: wrapping ``apply_fsdp_to_decoder``
@@ -260,10 +275,9 @@ def _sum_reductions_on_gloo(model: nn.Module) -> None:
 # is what ``dedicate_params`` checks the DTensors against; :func:`_meshes` verifies every dimension.
 def _check_tensor_parallel_options(parallel_dims: ParallelDims, kwargs: dict[str, Any]) -> None:
     """Refuse TP settings dmuon cannot honour yet, before anything is sharded."""
-    _check_parallel_dims(parallel_dims)
     tp = parallel_dims.tp
     compile_config = kwargs.get("compile_config")
-    if compile_config is not None and compile_config.enable_async_tensor_parallel:
+    if tp > 1 and compile_config is not None and compile_config.enable_async_tensor_parallel:
         raise ValueError(
             f"dmuon torchtitan: compile.enable_async_tensor_parallel=True with tensor_parallel_degree={tp} is "
             "not supported (it needs torch.compile of the blocks and CUDA symmetric memory; neither is tested "
@@ -271,15 +285,21 @@ def _check_tensor_parallel_options(parallel_dims: ParallelDims, kwargs: dict[str
         )
 
 
+def _model_parallel_degrees(parallel_dims: ParallelDims) -> str:
+    """The settings that make torchtitan call ``model.parallelize``, for messages."""
+    named = {"tensor_parallel_degree": parallel_dims.tp, "expert_parallel_degree": parallel_dims.ep}
+    return ", ".join(f"{k}={v}" for k, v in named.items() if v > 1)
+
+
 @contextlib.contextmanager
-def _after_tensor_parallel(model: nn.Module, parallel_dims: ParallelDims, run: Callable[[], Any]) -> Iterator[None]:
-    """Run ``run`` (:func:`dedicate`) right after torchtitan's TP step on ``model``; raise if the block never
-    took that step. See [Note: tensor parallelism]."""
+def _after_model_parallelize(model: nn.Module, parallel_dims: ParallelDims, run: Callable[[], Any]) -> Iterator[None]:
+    """Run ``run`` (:func:`dedicate`) right after torchtitan's TP / EP step on ``model``; raise if the block
+    never took that step. See [Note: tensor parallelism]."""
     step = getattr(type(model), "parallelize", None)
     if not isinstance(model, TitanModule) or step is None or "parallelize" in vars(model):
         raise ValueError(
-            f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp} needs a torchtitan Module whose "
-            f"parallelize_fn calls model.parallelize(parallel_dims) (torchtitan 0.3.0's TP step); got "
+            f"dmuon torchtitan: {_model_parallel_degrees(parallel_dims)} needs a torchtitan Module whose "
+            f"parallelize_fn calls model.parallelize(parallel_dims) (torchtitan 0.3.0's TP / EP step); got "
             f"{type(model).__name__}."
         )
     done: list[bool] = []
@@ -299,10 +319,10 @@ def _after_tensor_parallel(model: nn.Module, parallel_dims: ParallelDims, run: C
         vars(model).pop("parallelize", None)
     if not done:
         raise ValueError(
-            f"dmuon torchtitan: tensor_parallel_degree={parallel_dims.tp}, but the parallelize_fn never called "
-            f"model.parallelize(parallel_dims), torchtitan 0.3.0's TP step, after which dmuon dedicates (torchtitan "
-            f"{_TORCHTITAN_VERSION} here). The model is sharded without dmuon; rebuild it, or set "
-            "tensor_parallel_degree=1."
+            f"dmuon torchtitan: {_model_parallel_degrees(parallel_dims)}, but the parallelize_fn never called "
+            f"model.parallelize(parallel_dims), torchtitan 0.3.0's TP / EP step, after which dmuon dedicates "
+            f"(torchtitan {_TORCHTITAN_VERSION} here). The model is sharded without dmuon; rebuild it, or set "
+            "those degrees to 1."
         )
 
 
@@ -311,11 +331,14 @@ def with_dmuon(
     predicate: Predicate | None = None,
     *,
     reshard_after_forward: bool | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> Callable[..., nn.Module]:
     """Wrap a torchtitan ``parallelize_fn`` so it dedicates matrices first, then shards the rest.
 
-    With ``tensor_parallel_degree > 1`` dmuon dedicates right after the ``parallelize_fn``'s own TP step
-    (``model.parallelize(parallel_dims)``), before its ``fully_shard``: see [Note: tensor parallelism].
+    With ``tensor_parallel_degree > 1`` or ``expert_parallel_degree > 1`` dmuon dedicates right after the
+    ``parallelize_fn``'s own TP / EP step (``model.parallelize(parallel_dims)``), before its ``fully_shard``:
+    see [Note: tensor parallelism]; MoE settings dmuon cannot honour are refused first ([Note: torchtitan
+    MoE] in ``_moe.py``). ``predicate`` and ``qkv_blocks`` are :func:`dedicate`'s.
 
     ``reshard_after_forward=None`` follows ``parallelism.fsdp_reshard_after_forward`` (``"never"`` keeps the
     broadcast copies until backward, like FSDP2's; otherwise they are freed after forward). The dedicated
@@ -330,6 +353,7 @@ def with_dmuon(
     """
     if not callable(parallelize_fn):
         raise ValueError(f"dmuon torchtitan: parallelize_fn must be callable, got {parallelize_fn!r}")
+    qkv = QKVBlocks.parse(qkv_blocks)
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
@@ -339,14 +363,16 @@ def with_dmuon(
             parallelism = kwargs.get("parallelism")
             policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
             raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
+        _check_parallel_dims(parallel_dims)
+        check_moe_options(model, parallel_dims, predicate if predicate is not None else default_predicate)
         run = functools.partial(dedicate, model, parallel_dims, predicate, reshard_after_forward=raf,
-                                param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        if not parallel_dims.tp_enabled:
+                                param_dtype=param_dtype, reduce_dtype=reduce_dtype, qkv_blocks=qkv)
+        if not (parallel_dims.tp_enabled or parallel_dims.ep_enabled):
             run()
             model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         else:
             _check_tensor_parallel_options(parallel_dims, kwargs)
-            with _after_tensor_parallel(model, parallel_dims, run):
+            with _after_model_parallelize(model, parallel_dims, run):
                 model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
         _sum_reductions_on_gloo(model)
         return model
@@ -355,9 +381,11 @@ def with_dmuon(
 
 
 def dmuon_model_spec(
-    spec: ModelSpec, predicate: Predicate | None = None, *, reshard_after_forward: bool | None = None
+    spec: ModelSpec, predicate: Predicate | None = None, *, reshard_after_forward: bool | None = None,
+    qkv_blocks: QKVBlocks | str = QKVBlocks.QKV,
 ) -> ModelSpec:
-    """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`).
+    """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`,
+    whose options these are).
 
     Pipelining is dropped from the copy (dmuon needs one mesh over every rank), so a Trainer with
     ``pipeline_parallel_degree > 1`` refuses the spec instead of mis-training.
@@ -370,7 +398,8 @@ def dmuon_model_spec(
         raise ValueError(f"dmuon torchtitan: expected a torchtitan ModelSpec, got {spec!r}")
     return dataclasses.replace(
         spec,
-        parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward),
+        parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward,
+                                  qkv_blocks=qkv_blocks),
         pipelining_fn=None,
     )
 
