@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_ELEMENTS", "MAX_GRAPH_BYTES", "enabled", "run", "clear"]
+__all__ = ["MAX_ELEMENTS", "MAX_GRAPH_BYTES", "switched_on", "enabled", "run", "clear"]
 
 #: largest group (batch x rows x cols) replayed from a graph. Measured on an H200 (2026-12-01, two processes):
 #: 4 x 8192 x 2048 (2^26) took 2.91 / 2.93 ms replayed against 4.24 / 3.26 eager; the 8B share's groups of 2^27
@@ -39,11 +39,15 @@ _graphs: OrderedDict[tuple, tuple[Any, Tensor, Tensor]] = OrderedDict()
 _pool: Any = None
 
 
+def switched_on() -> bool:
+    """Not switched off by ``DMUON_NS_CUDA_GRAPHS=0``."""
+    return os.environ.get("DMUON_NS_CUDA_GRAPHS", "1") != "0"
+
+
 def enabled(X: Tensor) -> bool:
     """Whether a call on ``X`` replays a graph: CUDA, at most :data:`MAX_ELEMENTS`, not already inside a
-    capture, and not switched off by ``DMUON_NS_CUDA_GRAPHS=0``."""
-    return (X.is_cuda and X.numel() <= MAX_ELEMENTS and os.environ.get("DMUON_NS_CUDA_GRAPHS", "1") != "0"
-            and not torch.cuda.is_current_stream_capturing())
+    capture, and :func:`switched_on`."""
+    return X.is_cuda and X.numel() <= MAX_ELEMENTS and switched_on() and not torch.cuda.is_current_stream_capturing()
 
 
 def run(fn: Callable[[Tensor], Tensor], X: Tensor, key: tuple) -> Tensor:

@@ -61,6 +61,7 @@ This file is pure tensor math: no ``torch.distributed``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Sequence
@@ -373,9 +374,10 @@ def native_dtype(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
 
 def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
             device: torch.device | str | None = None) -> dict[str, str]:
-    """What one call on ``shape`` (2-D, or 3-D with the batch first) on ``device`` runs, and why: the form
-    (:func:`resolve_backend`), its dtype, and which kernel forms the symmetric products (``"quack"``,
-    ``"triton"`` or ``"torch"``: cuBLAS's or the CPU's full products). No tensor is allocated.
+    """What one call on ``shape`` (2-D, or 3-D with the batch first) on ``device`` runs inside ``dmuon.Muon``'s
+    step, and why: the form (:func:`resolve_backend`), its dtype, and which kernel forms the symmetric products
+    (``"quack"``, ``"triton"`` or ``"torch"``: cuBLAS's or the CPU's full products), for a call replayed from a
+    CUDA graph where the step replays it (:mod:`dmuon.optim._graphs`). No tensor is allocated.
 
     Example::
 
@@ -390,9 +392,11 @@ def explain(shape: tuple[int, ...] | torch.Size, backend: str = "auto", *,
     elif dev.type != "cuda":
         kernel, why = "torch", f"{dev.type}: 'auto' is torch's bfloat16 direct form (float16 products are slow there)"
     else:
-        from . import _symmetric
+        from . import _graphs, _symmetric
 
-        kernel, why = _symmetric.kernel_for(dev, dtype, min(shape[-2:]), _work(shape))
+        graph = math.prod(shape) <= _graphs.MAX_ELEMENTS and _graphs.switched_on()
+        with _symmetric.replayed() if graph else contextlib.nullcontext():
+            kernel, why = _symmetric.kernel_for(dev, dtype, min(shape[-2:]), _work(shape))
     return {"form": form, "dtype": str(dtype).removeprefix("torch."), "symmetric_products": kernel, "why": why}
 
 
