@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
 from ..optim.sharded import master_dtype_of
-from ..runtime.hooks import DMuonState, get_state
+from ..engines import state_of as get_state
+from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, laid_out_like
 from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
@@ -47,7 +48,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
     state = get_state(model)
     if optimizer._dmuon_state is not state:
         raise ValueError("dmuon: this optimizer was built for a different model.")
-    optimizer._check_fsdp_since_build()
+    optimizer._check_engine_since_build()
     return state
 
 
