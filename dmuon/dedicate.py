@@ -334,8 +334,7 @@ def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
 def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
     """Refuse a model dmuon already prepared, one an engine already took (``fully_shard``, a DDP wrapper), or a
     ``torch.compile`` wrapper (its hooks and names belong to the module inside)."""
-    for cls in engines.ENGINES:
-        cls.refuse_taken(model)
+    engines.DDP.refuse_taken(model)  # a wrapper first: it lists the dedicated params of the model inside
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
         raise ValueError(
             f"dmuon.dedicate_params: got a torch.compile wrapper ({type(model).__name__}); call dedicate_params "
@@ -344,6 +343,8 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
         )
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
+    for cls in engines.ENGINES:
+        cls.refuse_taken(model)
     sharded = FSDP2.sharded_modules(model)
     # a DTensor of another mesh: tensor parallelism without the 2-D mesh, or FSDP2's; expert parallelism's
     # batches split along dim 0 are left to the selection ([Note: routes])

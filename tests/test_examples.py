@@ -134,3 +134,11 @@ def test_tp_recipe_runs_under_torchrun() -> None:
     match = re.search(r"tp_dmuon: OK dp=1 x tp=2, loss (\d+\.\d+) -> (\d+\.\d+)", proc.stdout)
     assert match, proc.stdout
     assert float(match.group(2)) < float(match.group(1))
+
+
+def test_deepspeed_recipe_runs_as_plain_python() -> None:
+    """ZeRO-2 with accumulation and clipping on 2 CPU ranks, and its save_checkpoint / load_checkpoint round trip."""
+    pytest.importorskip("deepspeed")
+    proc = _run(["examples/deepspeed_dmuon.py"])
+    match = re.search(r"deepspeed_dmuon: OK ZeRO-2, loss (\d+\.\d+) -> (\d+\.\d+).*restored engine matches", proc.stdout)
+    assert match, proc.stdout

@@ -1,6 +1,6 @@
 """The engines dmuon trains beside: which one holds a model, and the binding every other part asks.
 
-One module per engine (``fsdp2.py``, ``ddp.py``), each a subclass of :class:`~dmuon.engines.base.Engine`, which
+One module per engine (``fsdp2.py``, ``ddp.py``, ``deepspeed.py``), each a subclass of :class:`~dmuon.engines.base.Engine`, which
 is also the answer for a model no engine wraps; [Note: engines] in ``base.py`` lists the questions. The rest of
 dmuon never asks "is this DDP?": it asks the binding, ``engines.of(model)``.
 """
@@ -12,13 +12,14 @@ import torch.nn as nn
 from ..runtime.hooks import DMuonState, get_state
 from .base import Engine
 from .ddp import DDP
+from .deepspeed import DeepSpeed
 from .fsdp2 import FSDP2
 
-__all__ = ["Engine", "ENGINES", "detect", "bind", "of", "state_of", "unwrap", "check_unchanged",
+__all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "of", "state_of", "unwrap", "check_unchanged",
            "prepare_for_engines"]
 
 #: Every engine, most specific first: a wrapper before the modules it holds; :class:`Engine` (none) last.
-ENGINES: tuple[type[Engine], ...] = (DDP, FSDP2)
+ENGINES: tuple[type[Engine], ...] = (DDP, DeepSpeed, FSDP2)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -473,6 +473,12 @@ class Muon(torch.optim.Optimizer):
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
         self._check_engine_since_build()
+        if getattr(state.engine, "drives_step", False):
+            raise RuntimeError(
+                f"dmuon.Muon.step() on a model the {state.engine.kind} engine trains: its step() runs this "
+                "optimizer's (engine.step() after engine.backward(loss)); a step of dmuon.Muon alone would leave "
+                "the engine's params behind."
+            )
         state.run_step(self._update, wait_publish=not self.replicate_async)
         return loss
 
