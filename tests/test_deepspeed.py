@@ -72,15 +72,28 @@ def test_zero_matches_the_oracle(oracles, world):
         assert losses > 1e-4 or weights > 5e-3 or norms > NORM_RTOL, (run.name, losses, weights, norms)
 
 
-def overflow_job(rank: int, world: int) -> dict:
-    """An inf in one dedicated gradient (every rank's, so its owner's average) at step 1 of 3: DeepSpeed's norm is
-    inf, so the whole step is skipped, ZeRO's params and the dedicated ones alike; the steps around it apply."""
-    from tests._training import full_weights
+def overflow_job(rank: int, world: int, fp16: bool) -> dict:
+    """An inf in one dedicated gradient (every rank's, so its owner's average) at step 1 of 3: the whole step is
+    skipped, ZeRO's params and the dedicated ones alike; the steps around it apply. fp32: DeepSpeed's norm
+    (which counts the dedicated gradients) is inf. fp16 (a static loss scale, so only the inf overflows):
+    ZeRO's overflow check, which counts them too."""
+    import deepspeed
+    import dmuon
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests._deepspeed import config
+    from tests._training import build_model, full_weights, muon_kwargs, projection_predicate
 
     setup(rank)
     run = Run(2, 1, MAX_NORM)
-    engine, model, _ = build(world, run)
-    changed, skipped = [], []
+    torch.manual_seed(0)
+    model = build_model().to(torch.float16 if fp16 else torch.float32)
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False)
+    opt = dmuon.Muon(model, **muon_kwargs(), master_dtype=torch.float32 if fp16 else None)
+    extra = {"fp16": {"enabled": True, "loss_scale": 128.0}} if fp16 else {}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(
+        world, stage=run.stage, accum=run.accum, clip=run.clip, **extra))
+    changed, skipped, state = [], [], []
     for step in range(3):
         before = full_weights(model)
         handle = model.layers[0].attention.q_proj.weight.register_hook(lambda g: g * math.inf) if step == 1 else None
@@ -90,14 +103,17 @@ def overflow_job(rank: int, world: int) -> dict:
         after = full_weights(model)
         changed.append(sorted(n for n in after if not torch.equal(before[n], after[n])))
         skipped.append(engine.skipped_steps)
-    return {"changed": changed, "skipped": skipped, "names": sorted(after)}
+        state.append([v.double().sum().item() for st in opt.state.values() for v in st.values()])
+    return {"changed": changed, "skipped": skipped, "names": sorted(after), "state": state}
 
 
-def test_an_inf_in_a_dedicated_gradient_skips_the_whole_step():
-    for r in run_distributed(overflow_job, 2):
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_an_inf_in_a_dedicated_gradient_skips_the_whole_step(fp16):
+    for r in run_distributed(overflow_job, 2, fp16):
         assert r["skipped"] == [0, 1, 1], r["skipped"]
         assert r["changed"][1] == [], r["changed"][1]  # nothing moved, dedicated or ZeRO's
         assert r["changed"][0] == r["changed"][2] == r["names"]
+        assert r["state"][1] == r["state"][0] != r["state"][2], "the skipped step changed dmuon's Muon state"
 
 
 def _refused(fn) -> str:
