@@ -58,3 +58,36 @@ def test_restart_from_save_checkpoint_is_bit_identical(tmp_path, run, bf16):
         assert_bitwise(r["resumed"], r["whole"], f"restart {run.name}{' bf16' if bf16 else ''}")
     keys = {k for r in results for k in r["state_keys"]}
     assert keys >= ({"momentum_buffer", "master"} if bf16 else {"momentum_buffer"}), keys
+
+
+def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
+    """``save``: 2 steps of ZeRO-2 (accumulation 2, clipping), then dmuon's full model and optimizer dicts into
+    ``path``; else: a fresh engine on this world size takes them and trains steps 2 and 3."""
+    import dmuon
+
+    setup(rank)
+    run = Run(2, 2, 0.5)
+    engine, model, opt = build(world, run)
+    if save:
+        trained = train(engine, model, rank, world, run, range(SAVE_AT))
+        sd = dmuon.get_state_dict(model, opt)
+        if rank == 0:
+            torch.save(sd, path)
+        return trained
+    sd = torch.load(path, map_location="cpu", weights_only=False) if rank == 0 else {}
+    dmuon.set_state_dict(model, opt, sd)
+    return result(model, train(engine, model, rank, world, run, range(SAVE_AT, STEPS)))
+
+
+@pytest.mark.parametrize("world_after", [2, 4])
+def test_resume_on_another_world_size_through_dmuons_full_state_dicts(tmp_path, world_after):
+    from tests._asserts import assert_close_to
+    from tests._training import train_oracle
+
+    path = str(tmp_path / "state.pt")
+    head = run_distributed(resume_job, 2, path, True)[0]
+    tail = run_distributed(resume_job, world_after, path, False)
+    oracle = train_oracle(STEPS, max_norm=0.5)
+    for r in tail:
+        assert_close_to({"losses": head["losses"] + r["losses"], "weights": r["weights"]}, oracle,
+                        f"2 ranks -> {world_after} ranks")

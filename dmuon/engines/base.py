@@ -135,6 +135,28 @@ class Engine:
     def after_model_load(self) -> None:
         """A model state dict was written into the params: refresh any copy the engine keeps of them."""
 
+    def group_params(self, optimizer: Any, group: dict[str, Any]) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """``(FQN, param, group)`` of each param of one of ``dmuon.Muon``'s groups the engine trains."""
+        return [(name, p, group) for p, name in zip(group["params"], group["param_names"])]
+
+    def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
+        """The optimizer state of one param the engine trains (``None``: none yet), as the optimizer state dicts
+        read it: the optimizer's own entry (live tensors)."""
+        return optimizer.state.get(p)
+
+    def state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of the optimizer state of one param the engine trains."""
+        return p.dtype
+
+    def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
+                             ) -> dict[torch.Tensor, dict[str, Any]]:
+        """Take a checked optimizer dict's state of the params the engine trains; return what the optimizer
+        keeps itself (here: all of it)."""
+        return states
+
+    def check_optimizer_dict(self, *, sharded: bool) -> None:
+        """Raise where the engine's part of a (``sharded``) optimizer state dict cannot be formed."""
+
     def describe(self) -> dict[str, Any]:
         """What ``repr`` and messages show of this binding."""
         return {"engine": self.kind, "averages_plain": self.averages_plain}

@@ -6,8 +6,17 @@ norm, skips a step on fp16 overflow, and steps its slice. dmuon hands it only th
 dedicate, so the dedicated ones are dmuon's alone: their gradients are averaged to the owner at the accumulation
 boundary DeepSpeed decides (:meth:`DeepSpeed.accumulation_boundary`), their norm joins DeepSpeed's, and the
 owners update them after DeepSpeed's step. How dmuon plugs into ``deepspeed.initialize`` and DeepSpeed's optimizer
-is ``dmuon/integrations/deepspeed.py``; this module says what DeepSpeed means to the rest of dmuon. It never
-imports deepspeed: a model is DeepSpeed's only once a script that imported it has called ``deepspeed.initialize``.
+is ``dmuon/integrations/deepspeed.py``; this module says what DeepSpeed means to the rest of dmuon. It imports
+deepspeed only in the methods of a binding (a model is DeepSpeed's once ``deepspeed.initialize`` took it).
+
+[Note: DeepSpeed state dicts]
+dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
+param its optimizer state by FQN. ZeRO keeps the AdamW moments and the fp32 masters of its params in its flat
+slices, one per rank; DeepSpeed's own tensor-fragment functions (``deepspeed.utils.safe_get_full_*`` /
+``safe_set_full_*``, which each rank calls for every param in the same order) give them whole and put them back
+into this world size's slices. So a param ZeRO trains has ``step``, ``exp_avg``, ``exp_avg_sq`` in ZeRO's dtype
+(fp32), and, where the model is bf16 or fp16, ``master``: its fp32 master. Loading the model dict alone
+restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load_module_only`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+import torch
 import torch.nn as nn
 
 from .base import Engine
@@ -104,6 +114,65 @@ class DeepSpeed(Engine):
     def after_model_load(self) -> None:
         """ZeRO keeps fp32 copies of its params (the slice it steps): restart them from the loaded values."""
         self.zero.refresh_fp32_params()
+
+    # ------------------------------------------------------------------ #
+    # State dicts ([Note: DeepSpeed state dicts])                          #
+    # ------------------------------------------------------------------ #
+    def group_params(self, optimizer: Any, group: dict[str, Any]) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        by_name = dict(self.model.named_parameters())  # ZeRO replaced the group's params by its flat slice
+        return [(name, by_name[name], group) for name in group["param_names"]]
+
+    def _flat_state(self, group: dict[str, Any]) -> dict[str, Any]:
+        """torch AdamW's state of the group's flat slice on this rank (empty before the first step)."""
+        return self.zero.optimizer.state.get(group["params"][0], {})
+
+    def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        flat = self._flat_state(group)
+        if not flat:
+            return None
+        st: dict[str, Any] = {"step": flat["step"].detach().clone()}
+        for k in sorted(k for k in flat if k != "step"):
+            st[k] = safe_get_full_optimizer_state(p, k)  # collective over the ranks
+        if p.dtype != self.state_dtype(p):
+            st["master"] = safe_get_full_fp32_param(p)
+        return st
+
+    def state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.zero.single_partition_of_fp32_groups[0].dtype
+
+    def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
+                             ) -> dict[torch.Tensor, dict[str, Any]]:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if not states:
+            return {}
+        facade = self.zero.optimizer
+        for group in facade.param_groups:  # before the first step: the zero state it would create
+            flat = group["params"][0]
+            if not facade.state.get(flat):
+                facade.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        self.zero._lazy_init_hp_params_optimizer_state()  # ZeRO's own link of each param to its slices' state
+        groups = {id(p): g for g in optimizer.param_groups for _, p, g in
+                  (self.group_params(optimizer, g) if g["kind"] in ("adamw", "adamw_replicated") else [])}
+        for p, st in states.items():
+            for k, v in st.items():
+                if k == "step":
+                    self._flat_state(groups[id(p)])["step"] = v.detach().to(torch.float32).clone().cpu()
+                elif k == "master":
+                    safe_set_full_fp32_param(p, v)
+                else:
+                    safe_set_full_optimizer_state(p, v, k)
+        return {}
+
+    def check_optimizer_dict(self, *, sharded: bool) -> None:
+        if sharded:
+            raise ValueError(
+                "dmuon.get_optimizer_state_dict(sharded=True) on a DeepSpeed model: ZeRO keeps the AdamW state in "
+                "its own flat slices; save with engine.save_checkpoint, or dmuon's full dicts (sharded=False)."
+            )
 
     def describe(self) -> dict[str, Any]:
         engine: Any = self.wrapper

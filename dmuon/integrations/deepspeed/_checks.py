@@ -61,12 +61,11 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     if found is not None:
         out.append(found)
     dtype = _dtype(config)
-    wrong = [dp.fqn for dp in state.dedicated() if dtype is not None and dp.compute_dtype != dtype]
+    wrong = [dp for dp in state.dedicated() if dtype is not None and dp.compute_dtype != dtype]
     if wrong:
-        out.append(f"the config trains in {dtype} but dedicated param {wrong[0]!r} computes in "
-                   f"{state.config.param_dtype or next(dp.dtype for dp in state.dedicated())}: cast the model before "
-                   f"dmuon.dedicate_params (model.to({dtype})), and give dmuon.Muon master_dtype=torch.float32 for "
-                   "fp32 Muon state")
+        out.append(f"the config trains in {dtype} but dedicated param {wrong[0].fqn!r} computes in "
+                   f"{wrong[0].compute_dtype}: cast the model before dmuon.dedicate_params (model.to({dtype})), and "
+                   "give dmuon.Muon master_dtype=torch.float32 for fp32 Muon state")
     zero = config.zero_config
     if dtype == torch.bfloat16 and stage == 1 and config.grad_accum_dtype not in (None, "bf16", "bfloat16"):
         out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
@@ -89,6 +88,7 @@ def agree(mine: list[str]) -> None:
     views = C.all_gather_default((dist.get_rank(), mine))
     found = [(r, p) for r, ps in views for p in ps]  # type: ignore[misc]
     if found:
-        same = all(ps == views[0][1] for _, ps in views)  # type: ignore[index]
-        listed = "; ".join(p for _, p in found if _ == 0) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
+        first: list[str] = views[0][1]  # type: ignore[index]
+        same = all(ps == first for _, ps in views)  # type: ignore[misc]
+        listed = "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
         raise ValueError(f"dmuon: deepspeed.initialize refused for this dmuon model: {listed}. Nothing was changed.")

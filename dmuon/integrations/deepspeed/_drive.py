@@ -47,7 +47,8 @@ class Drive:
     ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict",
                                                   "is_gradient_accumulation_boundary")
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
-                                                "unscale_and_clip_grads", "refresh_fp32_params")
+                                                "unscale_and_clip_grads", "refresh_fp32_params",
+                                                "_lazy_init_hp_params_optimizer_state")
 
     def __init__(self, state: DMuonState, muon: Muon) -> None:
         self.state, self.muon = state, muon
@@ -144,9 +145,9 @@ class Drive:
 
     def _load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True, *args: Any,
                                 **kwargs: Any) -> None:
-        """``engine.load_checkpoint`` (every rank reads the same file): dmuon's setter, then ZeRO's fp32 copies."""
+        """``engine.load_checkpoint`` (every rank reads the same file): dmuon's setter (which restarts ZeRO's fp32
+        copies from the loaded values; its optimizer files then bring the saved ones)."""
         set_model_state_dict(self.state.model, checkpoint["module"])
-        self.engine.optimizer.refresh_fp32_params()
 
     def _owned_part(self) -> dict[str, Any]:
         """This rank's owned Muon state and the hyperparameters of dmuon's own groups."""
