@@ -1,6 +1,7 @@
 """Checkpoints of dmuon models under DeepSpeed ZeRO (issue 26): ``engine.save_checkpoint`` / ``load_checkpoint``
 restart bit-identically (ZeRO-2 with accumulation and clipping in fp32; ZeRO-1 in bf16 with fp32 masters), every
-owner's Muon state in its own rank's ZeRO file; a checkpoint from another owner plan is refused by name."""
+owner's Muon state in its own rank's ZeRO file; dmuon's full state dicts, ZeRO's AdamW state in them, carry a run
+from 2 ranks to 4."""
 
 from __future__ import annotations
 
@@ -79,15 +80,15 @@ def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
     return result(model, train(engine, model, rank, world, run, range(SAVE_AT, STEPS)))
 
 
-@pytest.mark.parametrize("world_after", [2, 4])
-def test_resume_on_another_world_size_through_dmuons_full_state_dicts(tmp_path, world_after):
+def test_resume_on_another_world_size_through_dmuons_full_state_dicts(tmp_path):
+    """Saved on 2 ranks, resumed on 4: the run stays within the oracle's bounds (dropping ZeRO's AdamW moments on
+    the way, measured, puts the last loss 8e-4 off)."""
     from tests._asserts import assert_close_to
     from tests._training import train_oracle
 
     path = str(tmp_path / "state.pt")
     head = run_distributed(resume_job, 2, path, True)[0]
-    tail = run_distributed(resume_job, world_after, path, False)
+    tail = run_distributed(resume_job, 4, path, False)
     oracle = train_oracle(STEPS, max_norm=0.5)
     for r in tail:
-        assert_close_to({"losses": head["losses"] + r["losses"], "weights": r["weights"]}, oracle,
-                        f"2 ranks -> {world_after} ranks")
+        assert_close_to({"losses": head["losses"] + r["losses"], "weights": r["weights"]}, oracle, "2 ranks -> 4 ranks")

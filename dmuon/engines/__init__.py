@@ -7,6 +7,8 @@ dmuon never asks "is this DDP?": it asks the binding, ``engines.of(model)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn as nn
 
 from ..runtime.hooks import DMuonState, get_state
@@ -15,11 +17,28 @@ from .ddp import DDP
 from .deepspeed import DeepSpeed
 from .fsdp2 import FSDP2
 
-__all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "of", "state_of", "unwrap", "check_unchanged",
-           "prepare_for_engines"]
+__all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "of", "state_of", "unwrap",
+           "check_unchanged", "prepare_for_engines", "register_glue", "activate_glue"]
 
 #: Every engine, most specific first: a wrapper before the modules it holds; :class:`Engine` (none) last.
 ENGINES: tuple[type[Engine], ...] = (DDP, DeepSpeed, FSDP2)
+
+#: What installs the glue of the frameworks a script has imported (DeepSpeed's joins ``deepspeed.initialize``):
+#: registered by ``dmuon.integrations``, which sits above this package; ``dedicate_params`` and ``dmuon.Muon``'s
+#: build call :func:`activate_glue`, so ``import deepspeed`` anywhere before the optimizer is built is enough.
+_GLUE: list[Callable[[], None]] = []
+
+
+def register_glue(fn: Callable[[], None]) -> None:
+    """Add ``fn`` to what :func:`activate_glue` calls (``dmuon.integrations`` registers its activation)."""
+    if fn not in _GLUE:
+        _GLUE.append(fn)
+
+
+def activate_glue() -> None:
+    """Install the framework glue the script's imports call for (idempotent; cheap when there is none)."""
+    for fn in _GLUE:
+        fn()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

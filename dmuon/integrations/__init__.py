@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import warnings
 
+from .. import engines
+
 __all__ = ["activate_installed_glue"]
 
 
@@ -34,3 +36,6 @@ def activate_installed_glue() -> None:
         from . import hf  # noqa: F401  (importing installs the glue)
     except (ImportError, RuntimeError) as e:
         warnings.warn(f"dmuon: Trainer/Accelerate glue not installed: {e}", stacklevel=3)
+
+
+engines.register_glue(activate_installed_glue)  # dmuon.Muon's build calls it too

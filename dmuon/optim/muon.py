@@ -197,6 +197,7 @@ class Muon(torch.optim.Optimizer):
         check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
         state = engines.state_of(model)
+        engines.activate_glue()  # deepspeed imported since dedicate_params: deepspeed.initialize must know us
         engine = engines.of(model)  # build-time engine detection; bound once the build passed
         model = state.model
         engine.check_optimizer()

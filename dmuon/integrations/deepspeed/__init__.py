@@ -90,7 +90,13 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def is_installed() -> bool:
-    """Whether ``deepspeed.initialize`` currently knows dmuon models."""
+    """Whether ``deepspeed.initialize`` currently knows dmuon models.
+
+    Example::
+
+        from dmuon.integrations import deepspeed as dmuon_deepspeed
+        assert dmuon_deepspeed.is_installed()     # importing the package installed it
+    """
     return bool(getattr(DeepSpeedEngine.__init__, _MARK, False))
 
 
@@ -122,7 +128,14 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore DeepSpeed's own ``DeepSpeedEngine.__init__`` (mainly for tests)."""
+    """Restore DeepSpeed's own ``DeepSpeedEngine.__init__`` (mainly for tests); models prepared by dmuon are then
+    DeepSpeed's to break again (``NotHeldError`` in its initial broadcast).
+
+    Example::
+
+        dmuon_deepspeed.uninstall()
+        dmuon_deepspeed.install()
+    """
     if is_installed():
         DeepSpeedEngine.__init__ = DeepSpeedEngine.__init__.__wrapped__  # type: ignore[attr-defined]
 
