@@ -154,11 +154,11 @@ def misuse_job(rank: int, world: int) -> dict:
     out["no_sync"] = _refused(lambda: dmuon.no_sync(model).__enter__())
     out["clip"] = _refused(lambda: dmuon.clip_grad_norm_(model, 1.0))
     out["muon_step"] = _refused(opt.step)
-    out["again"] = _refused(lambda: dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate))
+    mesh = init_device_mesh("cpu", (world,))
+    out["again"] = _refused(lambda: dmuon.dedicate_params(model, mesh, projection_predicate))
     plain = build_model()  # dedicate_params after deepspeed.initialize
     engine2, _, _, _ = init(model=plain, optimizer=torch.optim.AdamW(plain.parameters()),
                             config=config(world, stage=1, accum=1))
-    mesh = init_device_mesh("cpu", (world,))
     out["dedicate_after"] = _refused(lambda: dmuon.dedicate_params(plain, mesh, projection_predicate))
     out["dedicate_engine"] = _refused(lambda: dmuon.dedicate_params(engine2, mesh, projection_predicate))
     fresh_engine, fresh, _ = build(world, run)

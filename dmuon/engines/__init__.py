@@ -1,8 +1,9 @@
 """The engines dmuon trains beside: which one holds a model, and the binding every other part asks.
 
-One module per engine (``fsdp2.py``, ``ddp.py``, ``deepspeed.py``), each a subclass of :class:`~dmuon.engines.base.Engine`, which
-is also the answer for a model no engine wraps; [Note: engines] in ``base.py`` lists the questions. The rest of
-dmuon never asks "is this DDP?": it asks the binding, ``engines.of(model)``.
+One module per engine (``fsdp2.py``, ``ddp.py``, ``deepspeed.py``), each a subclass of
+:class:`~dmuon.engines.base.Engine`, which is also the answer for a model no engine wraps; [Note: engines] in
+``base.py`` lists the questions. The rest of dmuon never asks "is this DDP?": it asks the binding,
+``engines.of(model)``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ __all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "
 ENGINES: tuple[type[Engine], ...] = (DDP, DeepSpeed, FSDP2)
 
 #: What installs the glue of the frameworks a script has imported (DeepSpeed's joins ``deepspeed.initialize``):
-#: registered by ``dmuon.integrations``, which sits above this package; ``dedicate_params`` and ``dmuon.Muon``'s
-#: build call :func:`activate_glue`, so ``import deepspeed`` anywhere before the optimizer is built is enough.
+#: registered by ``dmuon.integrations``, which sits above this package. ``dedicate_params`` installs it, and
+#: ``dmuon.Muon``'s build through :func:`activate_glue`, so ``import deepspeed`` before the optimizer is enough.
 _GLUE: list[Callable[[], None]] = []
 
 

@@ -30,6 +30,9 @@ def _optimizer_problem(state: DMuonState, optimizer: Any, model_parameters: Any)
         if getattr(optimizer, "_deepspeed_drive", None) is not None:
             return ("this dmuon.Muon was already handed to deepspeed.initialize; build a new one for a new engine "
                     "(dmuon.Muon(model, ...))")
+        if not any(g["params"] for g in optimizer.param_groups if g["kind"] in ("adamw", "adamw_replicated")):
+            return ("every trainable param is dedicated, so ZeRO would get no param group (DeepSpeed needs one); "
+                    "leave some params (norms, the embedding) out of dmuon.dedicate_params")
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
         where = f"optimizer={type(optimizer).__name__}"
@@ -71,7 +74,8 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
         out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
                    "which dmuon does not drive: use ZeRO stage 2, or leave grad_accum_dtype unset")
     offload = getattr(zero, "offload_optimizer", None)
-    if offload is not None and str(getattr(offload, "device", "none")).lower() not in ("none", "offloaddeviceenum.none"):
+    device = str(getattr(offload, "device", "none")).lower()
+    if offload is not None and device not in ("none", "offloaddeviceenum.none"):
         out.append("zero_optimization.offload_optimizer is not supported with dmuon (its step runs on the CPU "
                    "slice only); remove it")
     if config.scheduler_name is not None:
