@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from . import diagnostics, qk_clip
-from ._patch import install_patch, is_patch_installed, uninstall_patch
+from .engines.fsdp2 import install_patch, is_patch_installed, uninstall_patch
 from .accumulate import no_sync
 from .api import (
     broadcast_all_updates,

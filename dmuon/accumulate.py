@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch.nn as nn
 
-from ._fsdp import fsdp_modules
-from .runtime.hooks import get_state, unwrap_ddp
+from . import engines
 
 __all__ = ["no_sync"]
 
 
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Inside: no dedicated gradient reduce, no FSDP2 reduce-scatter, no replicated all-reduce (and for a
-    ``DistributedDataParallel`` model, DDP's own ``no_sync``); every rank accumulates its local gradients. The first backward outside reduces the accumulated sum.
+    """Inside: no dedicated gradient reduce, no replicated all-reduce, and the engine's own sync off too (FSDP2's
+    reduce-scatter; for a ``DistributedDataParallel`` model, DDP's own ``no_sync``); every rank accumulates its
+    local gradients. The first backward outside reduces the accumulated sum.
 
     Weights still travel (forward broadcast, and under Z3 the backward re-broadcast): only gradient
     traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile
@@ -32,17 +32,12 @@ def no_sync(model: nn.Module) -> Iterator[None]:
                 optimizer.step()
                 optimizer.zero_grad()
     """
-    state = get_state(model)
-    fsdp = fsdp_modules(model)
+    state = engines.state_of(model)
+    engine = engines.of(model)
     previous = state.sync_grads
     state.sync_grads = False
-    for m in fsdp:
-        m.set_requires_gradient_sync(False, recurse=False)
-    ddp_sync = model.no_sync() if unwrap_ddp(model) is not model else nullcontext()  # DDP's own params
     try:
-        with ddp_sync:
+        with engine.no_sync(resume=previous):
             yield
     finally:
         state.sync_grads = previous
-        for m in fsdp:
-            m.set_requires_gradient_sync(previous, recurse=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .runtime.hooks import get_state
+from .engines import state_of as get_state
 
 __all__ = [
     "wait_all_reduces", "broadcast_all_updates", "wait_all_replicate_broadcasts", "get_dedicated_params",

@@ -7,9 +7,10 @@ norm identical everywhere:
 
 * a dedicated gradient lives (averaged) on its owner only, so the owner counts it (in ``main_grad``
   rather than ``.grad`` when ``dedicate_params(reduce_dtype=...)`` keeps it wider than the param);
-* an FSDP2 gradient is a DTensor: its local shard counts, except where the DTensor is replicated along
-  a mesh dimension (HSDP), where only coordinate 0 of that dimension counts;
-* a plain gradient is the same on every rank after dmuon averaged it, so only slot 0 counts it.
+* every other gradient is the engine's: its share comes from ``Engine.grad_share`` (``dmuon/engines``): an
+  FSDP2 DTensor's local shard counts, except where it is replicated along a mesh dimension (HSDP), where only
+  coordinate 0 of that dimension counts; a plain gradient is the same on every rank after it was averaged,
+  so only slot 0 counts it.
 """
 
 from __future__ import annotations
@@ -22,20 +23,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
 
+from . import engines
 from .runtime import comm as C
-from .runtime.hooks import DMuonState, get_state, live_states
+from .runtime.hooks import DMuonState, live_states
 from .runtime.param import is_dedicated
 
 __all__ = ["clip_grad_norm_", "install_torch_clip_routing"]
-
-
-def _counts_here(g: DTensor) -> bool:
-    coord = g.device_mesh.get_coordinate()
-    if coord is None:
-        return False
-    return all(c == 0 for c, pl in zip(coord, g.placements) if isinstance(pl, Replicate))
 
 
 @torch.no_grad()
@@ -57,7 +51,7 @@ def clip_grad_norm_(
         norm = dmuon.clip_grad_norm_(model, max_norm=1.0)
         optimizer.step()
     """
-    return _clip(get_state(model), list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+    return _clip(engines.state_of(model), list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
 
 
 @torch.no_grad()
@@ -69,6 +63,8 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
         raise ValueError(f"dmuon.clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
     if not (norm_type > 0 or math.isinf(norm_type)):
         raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}")
+    engine = engines.of(state.model)
+    engine.check_norm("dmuon.clip_grad_norm_")
     state.wait_all_reduces()
     ctx = state.ctx
     inf = math.isinf(norm_type)
@@ -88,11 +84,8 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
         if is_dedicated(p):
             local = g.to_local() if isinstance(g, DTensor) else g
             counts = isinstance(p, DTensor) or tp_first  # only the owner holds one (a TP shard: its tp rank's)
-        elif isinstance(g, DTensor):
-            local = g.to_local()
-            counts = _counts_here(g) and (tp_first or tp_name in (g.device_mesh.mesh_dim_names or ()))
         else:
-            local, counts = g, ctx.rank == 0 and tp_first
+            local, counts = engine.grad_share(g, rank=ctx.rank, tp_first=tp_first, tp_name=tp_name)
         grads.append(local)
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)

@@ -7,6 +7,7 @@ verified identical on every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -18,8 +19,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._fsdp import FSDPModule
-from ._patch import install_patch
+from . import engines
+from .engines.fsdp2 import FSDP2, install_patch
 from .integrations import activate_installed_glue
 from .partition import OwnerPlan, ParamSpec, assign_owners, blocks_ns_cost
 from .runtime import comm as C
@@ -331,16 +332,9 @@ def _check_not_swapped(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> None:
 
 
 def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
-    """Refuse a model dmuon already prepared, one ``fully_shard`` already sharded, or a ``torch.compile``
-    wrapper (its hooks and names belong to the module inside)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        raise ValueError(
-            "dmuon.dedicate_params: got a DistributedDataParallel wrapper; call dedicate_params on the model "
-            "first, then wrap it: dmuon.dedicate_params(model, mesh, ...); ddp = DistributedDataParallel(model); "
-            "optimizer = dmuon.Muon(ddp, ...). DDP then leaves the dedicated params to dmuon."
-        )
+    """Refuse a model dmuon already prepared, one an engine already took (``fully_shard``, a DDP wrapper), or a
+    ``torch.compile`` wrapper (its hooks and names belong to the module inside)."""
+    engines.DDP.refuse_taken(model)  # a wrapper first: it lists the dedicated params of the model inside
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):
         raise ValueError(
             f"dmuon.dedicate_params: got a torch.compile wrapper ({type(model).__name__}); call dedicate_params "
@@ -349,7 +343,9 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
         )
     if getattr(model, STATE_ATTR, None) is not None or any(is_dedicated(p) for p in model.parameters()):
         raise ValueError("dmuon.dedicate_params was already called on this model; call it once per model.")
-    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for cls in engines.ENGINES:
+        cls.refuse_taken(model)
+    sharded = FSDP2.sharded_modules(model)
     # a DTensor of another mesh: tensor parallelism without the 2-D mesh, or FSDP2's; expert parallelism's
     # batches split along dim 0 are left to the selection ([Note: routes])
     foreign = [(n, p) for n, p in model.named_parameters()
@@ -392,7 +388,6 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
     state.install_module_guards()
-    # A DistributedDataParallel built on this model later reads this list and leaves these params out of
-    # its broadcasts and all-reduces (torch's own ignore mechanism); without DDP nothing reads it.
-    model._ddp_params_and_buffers_to_ignore = [s.fqn for s in selected]
+    engines.prepare_for_engines(model, [s.fqn for s in selected])  # DDP's ignore list, ...
+    state.bind_engine = functools.partial(engines.bind, model)
     return state

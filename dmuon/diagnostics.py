@@ -35,7 +35,7 @@ from .partition import ns_cost, shard_ns_cost
 from .runtime.blocks import Blocks
 from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
-from .runtime.hooks import get_state
+from .engines import state_of as get_state
 
 __all__ = ["CommKind", "CommCounter", "Summary", "comm_counts", "reset_comm_counts", "ns_backends", "qk_clip",
            "summarize"]

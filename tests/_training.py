@@ -68,10 +68,11 @@ def add_unused_proj(model: TinyLlama) -> None:
 @rank_threads()  # its bits must be the ranks' (test_lifecycle compares a 1-rank run exactly)
 def train_oracle(steps: int, hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP,
                  extra_unused: bool = False, *, adapt: Callable[[TinyLlama], None] | None = None,
-                 no_decay: Callable[[str, torch.Tensor], bool] | None = None) -> dict:
+                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, max_norm: float | None = None) -> dict:
     """Single process, torch.optim.Muon for the projections + torch.optim.AdamW for the rest. ``adapt``
     changes the built model first (the same change the ranks make); the AdamW params ``no_decay`` selects
-    get their own group with weight decay 0."""
+    get their own group with weight decay 0; ``max_norm``: every step clipped by torch's
+    ``clip_grad_norm_`` (its norms are returned as ``"norms"``)."""
     torch.manual_seed(0)
     dev = device()
     model = build_model(extra_unused=extra_unused).to(dev)
@@ -87,16 +88,18 @@ def train_oracle(steps: int, hp: MuonHParams = MUON_HP, adamw: AdamWHParams = AD
         ns_coefficients=hp.ns_coefficients, ns_steps=hp.ns_steps, eps=hp.eps, adjust_lr_fn=hp.adjust_lr_fn.value,
     )
     opt_a = torch.optim.AdamW(other, **adamw.group_entries())
-    losses = []
+    losses, norms = [], []
     for tok, tgt in batches(steps):
         opt_m.zero_grad()
         opt_a.zero_grad()
         loss = model(tok.to(dev), tgt.to(dev)).loss
         loss.backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt_m.step()
         opt_a.step()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def root_sharded(world: int) -> tuple[TinyLlama, dmuon.Muon]:

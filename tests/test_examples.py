@@ -158,3 +158,11 @@ def test_normuon_qkclip_recipe_runs_as_plain_python() -> None:
                       r"\+ hand clip\): worst step (\S+) \(bound 3e-04\)", proc.stdout)
     assert match and int(match.group(1)) >= 20 and int(match.group(2)) > 0 and float(match.group(3)) <= 3e-4, \
         proc.stdout
+
+
+def test_deepspeed_recipe_runs_as_plain_python() -> None:
+    """ZeRO-2 with accumulation and clipping on 2 CPU ranks, and its save_checkpoint / load_checkpoint round trip."""
+    pytest.importorskip("deepspeed")
+    proc = _run(["examples/deepspeed_dmuon.py"])
+    match = re.search(r"deepspeed_dmuon: OK ZeRO-2, loss (\d+\.\d+) -> (\d+\.\d+).*restored engine matches", proc.stdout)
+    assert match, proc.stdout

@@ -164,7 +164,7 @@ def _clip_and_schedule_job(rank: int, world: int, outdir: str) -> dict[str, Any]
     oracle_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), math.inf).item()
 
     plain = {n: p.detach().clone() for n, p in model.named_parameters()
-             if not isinstance(p, DTensor) and not dmuon._patch.is_dedicated(p)}
+             if not isinstance(p, DTensor) and not dmuon.runtime.param.is_dedicated(p)}
     return dict(norms=record.norms, clipped=record.clipped, lrs=record.lrs, adamw_lrs=record.adamw_lrs,
                 oracle_norm=oracle_norm, n_batches=len(batches), plain=plain, steps=steps,
                 max_grad_norm=trainer.args.max_grad_norm)

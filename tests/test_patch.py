@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon import _patch
+from dmuon.engines import fsdp2 as _patch
 
 # Runs in a fresh interpreter so `fully_shard` really is imported before dmuon.
 _IMPORT_ORDER_SCRIPT = textwrap.dedent(

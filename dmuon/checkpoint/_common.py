@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .._fsdp import fsdp_modules
+from .. import engines
 from ..runtime import comm as C
 from ..runtime.comm import CommKind
-from ..runtime.hooks import DMuonState, get_state
+from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam
 
 MAX_LISTED = 10
@@ -42,14 +42,13 @@ class Mode(enum.Enum):
 # Shared helpers                                                                                       #
 # --------------------------------------------------------------------------------------------------- #
 def prepare(model: nn.Module) -> DMuonState:
-    """Drain dmuon and FSDP2 so every live tensor is in its resting place (sharded, grads reduced)."""
-    state = get_state(model)
+    """Drain dmuon and the engine so every live tensor is in its resting place (sharded, grads reduced)."""
+    state = engines.state_of(model)
     state.bind_if_needed()
     state.wait_all_reduces()
     state.wait_all_replicate_broadcasts()
     state.reshard_all()
-    for m in fsdp_modules(model):
-        m.reshard()
+    engines.of(model).rest()
     return state
 
 

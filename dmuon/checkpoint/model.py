@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .. import engines
 from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, laid_out_like, local
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
@@ -298,6 +299,7 @@ def apply_model_sd(load: ModelLoad) -> None:
     state.publish_updates()
     state.wait_all_replicate_broadcasts()
     state.reshard_all()
+    engines.of(state.model).after_model_load()  # an engine's own copies of its params (DeepSpeed's fp32 masters)
 
 
 def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:

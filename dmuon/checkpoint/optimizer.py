@@ -15,9 +15,11 @@ from torch.distributed.tensor import DTensor
 from ..optim import Muon
 from ..optim.rules import PER_ROW_KEYS, UpdateRule, rule_of
 from ..optim.sharded import master_dtype_of
+from ..engines import Engine
+from ..engines import state_of as get_state
 from ..runtime import comm as C
 from ..runtime.comm import CommKind
-from ..runtime.hooks import DMuonState, get_state
+from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, laid_out_like
 from ..runtime.route import Route
 from .checksum import CHECKSUM_ATTR, CHECKSUMS_KEY, Item, collect, mismatches, stored
@@ -50,7 +52,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
     state = get_state(model)
     if optimizer._dmuon_state is not state:
         raise ValueError("dmuon: this optimizer was built for a different model.")
-    optimizer._check_fsdp_since_build()
+    optimizer._check_engine_since_build()
     return state
 
 
@@ -63,16 +65,37 @@ def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
 _OWNER_KINDS = ("muon", "adamw_owned")
 
 
+def _engine(optimizer: Any) -> Engine:
+    """The engine binding of the optimizer's model (``dmuon.Muon`` binds one when it is built)."""
+    bound = optimizer._dmuon_state.engine
+    return bound if isinstance(bound, Engine) else Engine(optimizer._dmuon_state.model, optimizer._dmuon_state)
+
+
 def _every_rank_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
-    """The params every rank keeps state for, with their groups: AdamW's (FSDP2 shards and plain params) and the
-    Muon params on the engine's shards (``Route.MUON_SHARDED``), whose state is laid out like the param."""
+    """The params every rank keeps state for, with their groups: AdamW's (FSDP2 shards and plain params: the
+    engine's, [Note: engines]) and the Muon params on the engine's shards (``Route.MUON_SHARDED``), whose state
+    is laid out like the param."""
     sharded = set(optimizer._layouts(optimizer._dmuon_state))
-    return [
-        (name, p, g)
-        for g in optimizer.param_groups
-        for p, name in zip(g["params"], g["param_names"])
-        if g["kind"] not in _OWNER_KINDS or (g["kind"] == "muon" and name in sharded)
-    ]
+    engine = _engine(optimizer)
+    out: list[tuple[str, nn.Parameter, dict]] = []
+    for g in optimizer.param_groups:
+        if g["kind"] == "muon":
+            out += [(name, p, g) for p, name in zip(g["params"], g["param_names"]) if name in sharded]
+        elif g["kind"] not in _OWNER_KINDS:
+            out += engine.group_params(optimizer, g)
+    return out
+
+
+def _every_rank_state(optimizer: Any) -> dict[str, tuple[nn.Parameter, dict[str, Any]]]:
+    """``{fqn: (param, state)}`` of the every-rank params that have state, read through the engine (under
+    DeepSpeed gathered from ZeRO's slices: collective, every rank the same params in the same order)."""
+    engine = _engine(optimizer)
+    out = {}
+    for name, p, g in _every_rank_params(optimizer):
+        st = engine.optimizer_state(optimizer, p, g)
+        if st:
+            out[name] = (p, st)
+    return out
 
 
 def _state_dtypes(opt: Any, name: str, p: torch.Tensor, group: dict) -> dict[str, torch.dtype] | None:
@@ -123,6 +146,7 @@ def get_optimizer_state_dict(
             torch.save(optim_sd, "optim.pt")
     """
     state = _check_optimizer(model, optimizer)
+    _engine(optimizer).check_optimizer_dict(sharded=sharded)
     prepare(model)
     ctx = state.ctx
     if sharded:
@@ -133,7 +157,8 @@ def get_optimizer_state_dict(
         for dp in state.dedicated()
         if dp.owner == ctx.rank and opt.state.get(dp.param)
     }
-    adamw_present = [name for name, p, _ in _every_rank_params(opt) if opt.state.get(p)]
+    every = _every_rank_state(opt)
+    adamw_present = list(every)
     views = gather_views(state, (owned_meta, adamw_present))  # TP: every row, so all raise together
     if any(present != views[0][1] for _, present in views):
         raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
@@ -160,10 +185,7 @@ def get_optimizer_state_dict(
                     state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape), dtype, f"{dp.fqn}.{k}"))
                 for k, shape, dtype in muon_meta[dp.fqn]
             }
-        for name, p, _ in _every_rank_params(opt):
-            st = opt.state.get(p)
-            if not st:
-                continue
+        for name, (p, st) in every.items():
             if sharded:
                 out_state[name] = {k: stage_copy(v, cpu_offload) if staged and isinstance(v, torch.Tensor) else v
                                    for k, v in st.items()}
@@ -183,7 +205,7 @@ def get_optimizer_state_dict(
         {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "param_names": names}
         for g, names in zip(opt.param_groups, _group_names(opt, state))
     ]
-    sums = _state_checksums(opt, state, muon_meta, adamw_present)
+    sums = _state_checksums(opt, state, muon_meta, every)
     if rank0_only and not sharded and dist.get_rank() != 0:
         return {}
     if sharded:
@@ -195,8 +217,8 @@ def get_optimizer_state_dict(
     return {"state": out_state, "param_groups": groups}
 
 
-def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], adamw_present: list[str]
-                     ) -> dict[str, int]:
+def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list],
+                     every: dict[str, tuple[nn.Parameter, dict[str, Any]]]) -> dict[str, int]:
     """The checksum of every state tensor (``"fqn.name"``) from the live state. Collective."""
     ctx = state.ctx
     items, live = [], {}
@@ -205,13 +227,11 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list], ad
             items.append(_item(dp, f"{dp.fqn}.{k}"))
             if dp.owner == ctx.rank:
                 live[f"{dp.fqn}.{k}"] = opt.state[dp.param][k]
-    present = set(adamw_present)
-    for name, p, _ in _every_rank_params(opt):
-        if name in present:
-            for k, v in sorted(opt.state[p].items()):
-                if isinstance(v, torch.Tensor):
-                    items.append(Item(f"{name}.{k}", None, p))
-                    live[f"{name}.{k}"] = v
+    for name, (p, st) in every.items():
+        for k, v in sorted(st.items()):
+            if isinstance(v, torch.Tensor):
+                items.append(Item(f"{name}.{k}", None, p))
+                live[f"{name}.{k}"] = v
     return collect(ctx, items, live, tp_rank=tp_rank(state))
 
 
@@ -261,7 +281,7 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
         return ["; ".join(errors)]
     full_shape = {dp.fqn: tuple(dp.full_shape or dp.shape) for dp in state.dedicated()}  # TP: the matrix's
     full_shape.update({name: tuple(p.shape) for name, p, _ in _every_rank_params(opt)})
-    dtype_of = {name: p.dtype for name, p, _ in _every_rank_params(opt)}
+    dtype_of = {name: _engine(opt).state_dtype(p) for name, p, _ in _every_rank_params(opt)}
     every_rank_muon = {name: _state_dtypes(opt, name, p, g) for name, p, g in _every_rank_params(opt)}
     rules = _rules(opt)
     muon_dps = {dp.fqn: dp for dp in state.dedicated()}
@@ -342,7 +362,8 @@ def apply_optim_sd(load: OptimLoad) -> None:
     topology). Collective in rank-0 mode."""
     with torch.no_grad():
         new_state = _muon_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state)
-        new_state.update(_adamw_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state))
+        every = _adamw_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state)
+        new_state.update(_engine(load.opt).load_optimizer_state(load.opt, every))  # under DeepSpeed: into ZeRO
     load.opt._replace_state(new_state, load.groups)
 
 

@@ -86,7 +86,7 @@ class _Model:
             item = item[1]  # torch's named-parameter form: identity decides
         if isinstance(item, str):
             p = self.by_name.get(item)
-            if p is None and item.startswith("module."):  # a DDP wrapper's spelling
+            if p is None and item.startswith("module."):  # an engine wrapper's spelling (DDP, DeepSpeed hold the model as .module)
                 p = self.by_name.get(item.removeprefix("module."))
             if p is None:
                 close = difflib.get_close_matches(item, list(self.by_name), n=3)

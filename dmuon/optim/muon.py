@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .._fsdp import cast_dtypes, fsdp_modules
+from .. import engines
 from ..runtime import comm as C
-from ..runtime.hooks import DMuonState, get_state, unwrap_ddp
+from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, local
 from ..runtime.precision import check_float_dtype, is_wider
 from ..runtime.route import Route
@@ -42,29 +42,6 @@ from .rules import hparams_of, muon_record, rule_of
 from .update import AdamWHParams
 
 __all__ = ["Muon"]
-
-
-def _check_fsdp_compute_dtype(model: nn.Module, state: DMuonState) -> None:
-    """Refuse dedicated params whose compute dtype differs from the ``MixedPrecisionPolicy.param_dtype`` of
-    the FSDP2 module around them: FSDP2 casts that module's inputs, and the first forward would fail in
-    ``F.linear`` on mismatched dtypes."""
-    policies = cast_dtypes(model)
-    if policies is None:  # FSDP2 internals moved: nothing to check against
-        return
-    for dp in state.dedicated():
-        module_path = dp.fqn.rsplit(".", 1)[0] if "." in dp.fqn else ""
-        # the nearest FSDP2 module at or above the param's module decides what its inputs are cast to
-        owner = max((path for path in policies if path == "" or module_path == path
-                     or module_path.startswith(path + ".")), key=len, default=None)
-        if owner is not None and policies[owner] != dp.compute_dtype:
-            pd = policies[owner]
-            raise ValueError(
-                f"dmuon.Muon: fully_shard({owner or '<root>'!r}, mp_policy=MixedPrecisionPolicy(param_dtype={pd})) "
-                f"casts its inputs to {pd}, but dedicated param {dp.fqn!r} computes in {dp.compute_dtype}, so the "
-                f"forward would fail on mismatched dtypes. Pass dmuon.dedicate_params(..., param_dtype={pd}) (the "
-                f"owners keep the {dp.dtype} values as masters), or convert the dedicated params to {pd} before "
-                "dedicate_params."
-            )
 
 
 def _names(state: DMuonState, route: Route) -> list[str]:
@@ -236,12 +213,12 @@ class Muon(torch.optim.Optimizer):
         adamw_hp = AdamWHParams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
 
-        state = get_state(model)
-        ddp = unwrap_ddp(model) is not model  # DDP averages the other params' gradients itself
-        model = unwrap_ddp(model)
-        _check_fsdp_compute_dtype(model, state)
+        state = engines.state_of(model)
+        engines.activate_glue()  # deepspeed imported since dedicate_params: deepspeed.initialize must know us
+        engine = engines.of(model)  # build-time engine detection; bound once the build passed
+        model = state.model
+        engine.check_optimizer()
         self._muon_defaults, self._adamw_defaults, self._muon_values = muon_hp, adamw_hp, values
-        self._ddp = ddp
         resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
         #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
         self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, model, state)
@@ -258,9 +235,8 @@ class Muon(torch.optim.Optimizer):
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
         self.master_dtype: torch.dtype | None = master_dtype
         self._generation = state.generation
-        #: Whether any FSDP2 module existed when this optimizer was built; checked until the first step
-        #: (see :meth:`_check_fsdp_since_build`).
-        self._fsdp_at_build = bool(fsdp_modules(model))
+        #: The engine bound at build; checked until the first step (see :meth:`_check_engine_since_build`).
+        self._engine_at_build = engine
         #: ``Route.MUON_SHARDED`` params: the version each one's master last agreed with, by ``id(param)``
         self._sharded_seen: dict[int, int] = {}
         self._check_pending = True
@@ -270,9 +246,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw.state = self.state
         #: Per param group, every rank's FQNs (a Muon group's ``params`` are only the owned ones).
         self._group_fqns: list[tuple[str, ...]] = [names for _, names in internal]
-        # under DDP they are averaged already; averaging identical values again would only cost an all-reduce
-        state.replicated_params = [] if ddp else [
-            p for g, _ in internal if g["kind"] == "adamw_replicated" for p in g["params"]]
+        engines.bind(engine.wrapper)  # the plain params dmuon averages (none under DDP: it averages them)
 
     # ------------------------------------------------------------------ #
     # Param groups ([Note: group layout] in dmuon/optim/groups.py)         #
@@ -373,8 +347,7 @@ class Muon(torch.optim.Optimizer):
                 self._adamw.add_param_group(g)
             super().add_param_group(g)
             self._group_fqns.append(names)
-            if g["kind"] == "adamw_replicated" and not self._ddp:
-                state.replicated_params.extend(g["params"])
+        engines.bind(state.engine.wrapper if state.engine is not None else state.model)  # newly trainable params
 
     # ------------------------------------------------------------------ #
     # Mixed precision                                                      #
@@ -411,19 +384,13 @@ class Muon(torch.optim.Optimizer):
             dp.refresh_master(st["master"])
         return st["master"]
 
-    def _check_fsdp_since_build(self) -> None:
+    def _check_engine_since_build(self) -> None:
         """Until the first step: refuse a model that ``fully_shard`` wrapped after this optimizer was built.
         ``fully_shard`` swaps the model's other params for DTensors, so the AdamW groups would hold stale
         objects and the embedding, norms and head would never train. (Re-resolving the params here instead
         is unsafe: while FSDP2 holds a module unsharded, the module lists its unsharded params.)"""
-        if not self._check_pending:
-            return
-        if not self._fsdp_at_build and fsdp_modules(self._dmuon_state.model):
-            raise ValueError(
-                "dmuon.Muon was built before fully_shard, which has since replaced the model's other params, so "
-                "this optimizer holds stale ones. Build it after fully_shard: dmuon.dedicate_params(model, ...) "
-                "-> fully_shard(...) -> dmuon.Muon(model, ...)."
-            )
+        if self._check_pending:
+            engines.check_unchanged(self._engine_at_build)
 
     @staticmethod
     def _rows(dp: DedicatedParam) -> int | None:
@@ -514,7 +481,7 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus every dedicated gradient this rank holds: non-owners'
         local ones (inside ``no_sync``), the owners' wide ``main_grad`` and gradients set aside during
         accumulation. Reduces still in flight are finished first, so none lands in ``.grad`` afterwards."""
-        self._check_fsdp_since_build()
+        self._check_engine_since_build()
         self._dmuon_state.finish_reduces()
         super().zero_grad(set_to_none)
         self._dmuon_state.clear_grads(set_to_none=set_to_none)
@@ -532,10 +499,29 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon: the model's dedicated parameters were replaced after this optimizer was built "
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
-        self._check_fsdp_since_build()
-        state.wait_all_reduces()
-        state.end_pass()  # a forward whose backward never came: owners update their matrices all the same
-        maxima = None if self.qk_clip is None else self.qk_clip.gather()  # (raises before anything changes)
+        self._check_engine_since_build()
+        if getattr(state.engine, "drives_step", False):
+            raise RuntimeError(
+                f"dmuon.Muon.step() on a model the {state.engine.kind} engine trains: its step() runs this "
+                "optimizer's (engine.step() after engine.backward(loss)); a step of dmuon.Muon alone would leave "
+                "the engine's params behind."
+            )
+        state.run_step(self._update, wait_publish=not self.replicate_async)
+        return loss
+
+    def _update(self) -> None:
+        """The update itself, once the runtime has every averaged gradient in place: QK-clip's maxima gathered
+        (it raises before anything changes), Muon (and AdamW) on the owners' matrices, AdamW on the engine's
+        params, then the clip on the owners, before the runtime publishes."""
+        maxima = None if self.qk_clip is None else self.qk_clip.gather()
+        self._update_owned()
+        self._adamw.step()
+        if maxima is not None:
+            self.qk_clip.apply_(maxima, self._update_target)  # type: ignore[union-attr]
+        self._check_pending = False
+
+    def _update_owned(self) -> None:
+        """The dedicated params this rank owns: Muon's groups, and AdamW's ``adamw_owned`` ones made ready."""
         owned = self._owned()
         for group in self.param_groups:
             if group["kind"] == "muon":
@@ -545,15 +531,6 @@ class Muon(torch.optim.Optimizer):
                     grad = owned[id(p)].reduced_grad()
                     if p.grad is None and grad is not None:
                         p.grad = grad.to(p.dtype)
-        self._adamw.step()
-        if maxima is not None:
-            self.qk_clip.apply_(maxima, self._update_target)  # type: ignore[union-attr]
-        self._check_pending = False
-        state.publish_updates()
-        if not self.replicate_async:
-            state.wait_all_replicate_broadcasts()
-        state.reshard_all()
-        return loss
 
     def _step_muon_group(self, group: dict[str, Any], owned: dict[int, DedicatedParam]) -> None:
         """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""

@@ -86,10 +86,20 @@ class DMuonState:
         self.groups = [g for _, g in groups]
         #: False inside ``dmuon.no_sync``: gradients stay local and accumulate.
         self.sync_grads = True
+        #: The engine binding (``dmuon/engines``): what trains the other params. The runtime reads only the
+        #: two answers below, which the binding sets; ``None`` until something binds (``dmuon.Muon``, the
+        #: first forward through :attr:`bind_engine`, ``deepspeed.initialize``).
+        self.engine: Any = None
+        #: Set by the binding where the engine decides the accumulation boundary itself (DeepSpeed): whether
+        #: the running backward closes the window (``None``: no opinion, ``no_sync`` decides).
+        self.accumulation_boundary: Callable[[], bool | None] = _no_opinion
+        #: Set by ``dedicate_params``: binds the engine at the first forward when nothing bound it before, so
+        #: plain params are averaged whether or not an optimizer was built.
+        self.bind_engine: Callable[[], Any] | None = None
         #: Bumped whenever parameter objects are rebound (``to_empty``); optimizers check it.
         self.generation = 0
-        #: Trainable params neither dmuon nor FSDP2 manages; set by ``dmuon.Muon`` (its
-        #: ``adamw_replicated`` group), whose gradients are averaged at the end of each backward.
+        #: Trainable params neither dmuon nor the engine manages, whose gradients are averaged at the end of
+        #: each backward; set by the engine binding (its ``plain_params``).
         self.replicated_params: list[nn.Parameter] = []
         #: The "tp" mesh of tensor-parallel dedicated params (``dedicate_params`` sets it), or ``None``.
         self.tp_mesh: Any = None
@@ -120,6 +130,11 @@ class DMuonState:
 
     def rank(self) -> int:
         return self.ctx.rank
+
+    def syncing(self) -> bool:
+        """Whether a backward now averages gradients: outside ``no_sync``, and where the engine decides the
+        accumulation boundary (DeepSpeed), at the boundary."""
+        return self.sync_grads and self.accumulation_boundary() is not False
 
     # ------------------------------------------------------------------ #
     # Binding                                                              #
@@ -200,6 +215,8 @@ class DMuonState:
     def _root_pre_forward(self) -> None:
         if in_backward():  # the whole model under activation checkpointing: not a new pass
             return
+        if self.engine is None and self.bind_engine is not None:  # no optimizer bound it: a resting point
+            self.bind_engine()
         self.prefetcher.open_pass(torch.is_grad_enabled())
         if self.training_pass.open_root():
             self._sync_classes()
@@ -286,7 +303,7 @@ class DMuonState:
         self._queue_end_of_backward()
         g = self._group_of[dp]
         wide = g.main_grad_dtype(dp)
-        if not self.sync_grads:
+        if not self.syncing():
             dp.accumulate_unsynced(wide)
             return
         dp.hand_over(wide)
@@ -304,15 +321,16 @@ class DMuonState:
         # and the deliveries and reshards below work on plain params (no guard dispatch on the way).
         self.end_pass()
         self.prefetcher.reset_backward()
+        sync = self.syncing()
         for g in self.groups:  # also releases a backward prefetch whose backward never came
-            if self.sync_grads:
+            if sync:
                 self._hand_over_unsynced(g)
-            if self.sync_grads and g.any_grad_ready():
+            if sync and g.any_grad_ready():
                 g.reduce_grads()
             elif g.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
                 g.backward_pending = False
                 g.reshard()
-        if self.sync_grads:
+        if sync:
             # When backward() returns, each owner's .grad holds the average, as under FSDP2 and DDP. A
             # wait orders the device stream (NCCL) and reads nothing on the host.
             self.finish_reduces()
@@ -334,8 +352,9 @@ class DMuonState:
         """Issue what is handed over or still unsynced (outside ``no_sync``) and finish every reduce in
         flight. (Unsynced sums are normally handed over at the end of the backward that closes the
         accumulation; this catches a closing backward that ran none of dmuon's hooks.)"""
+        sync = self.syncing()
         for g in self.groups:
-            if self.sync_grads:
+            if sync:
                 self._hand_over_unsynced(g)
                 if g.any_grad_ready():
                     g.reduce_grads()
@@ -350,6 +369,19 @@ class DMuonState:
         """Owners: restart ``param_dtype`` masters whose compute copy was written directly since."""
         for dp in self.owned():
             dp.refresh_master()
+
+    def run_step(self, update: Callable[[], None], *, wait_publish: bool) -> None:
+        """The optimizer step's one drive of the runtime: every gradient reduce finished (a forward whose
+        backward never came closes its pass, so owners update their matrices all the same), ``update()``,
+        then the updates go out (HSDP publishes, waited for where ``wait_publish``) and every non-holder copy
+        is dropped so the next forward broadcasts the new weights."""
+        self.wait_all_reduces()
+        self.end_pass()
+        update()
+        self.publish_updates()
+        if wait_publish:
+            self.wait_all_replicate_broadcasts()
+        self.reshard_all()
 
     def reshard_all(self) -> None:
         """Drop every non-owner copy so the next forward broadcasts the freshly updated weights."""
@@ -375,6 +407,11 @@ class DMuonState:
         ``.grad`` afterwards; ``DedicatedParam.clear`` refuses REDUCING): drop every dedicated gradient."""
         for dp in self.dedicated():
             dp.clear(set_to_none=set_to_none)
+
+
+def _no_opinion() -> None:
+    """The accumulation boundary of an engine that leaves it to ``no_sync``."""
+    return None
 
 
 def _placed_like(p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -420,18 +457,10 @@ def live_states() -> list[DMuonState]:
     return list(_LIVE)
 
 
-def unwrap_ddp(model: nn.Module) -> nn.Module:
-    """The module a ``DistributedDataParallel`` wraps (the one ``dedicate_params`` prepared); ``model``
-    itself otherwise."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def get_state(model: nn.Module) -> DMuonState:
-    """The state ``dedicate_params`` attached to ``model`` (or to the module a DDP wrapper holds); a clear
-    error if there is none."""
-    state = getattr(unwrap_ddp(model), STATE_ATTR, None)
+    """The state ``dedicate_params`` attached to ``model`` (the module itself; ``dmuon.engines.state_of`` looks
+    through an engine's wrapper first); a clear error if there is none."""
+    state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError(
             f"dmuon: {type(model).__name__} has no dedicated params; call dmuon.dedicate_params(model, mesh, ...) "

@@ -27,7 +27,7 @@ __all__ = ["DEDICATED_ATTR", "is_dedicated", "local", "laid_out_like", "splits_d
            "DedicatedParam"]
 
 #: Attribute that marks a parameter as dedicated; its value is the owner's slot in dmuon's grid of ranks
-#: (the mesh rank on a 1-D mesh). FSDP2's patch (``dmuon/_patch.py``) skips every parameter carrying it.
+#: (the mesh rank on a 1-D mesh). FSDP2's patch (``dmuon/engines/fsdp2.py``) skips every parameter carrying it.
 DEDICATED_ATTR = "_dedicated_owner_rank"
 
 

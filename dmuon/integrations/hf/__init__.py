@@ -31,9 +31,16 @@ What Trainer / Accelerate do to such a model, and what this package does about i
 * ``Accelerator.prepare_model`` wraps a multi-process model in DDP (DTensor params: an error; plain
   params: DDP would broadcast the placeholders). **Replaced** by its ``evaluation_mode`` branch, the
   one Trainer itself uses for models sharded at load time: mixed-precision autocast and
-  ``torch.compile`` as configured, no DDP, no device move. Accelerate's own FSDP / DeepSpeed / TP / CP
-  plugins and fp16 (its ``GradScaler`` decides inf-skips per rank, so ranks could disagree) are refused
-  with a ``ValueError``; use ``fsdp=""`` and bf16.
+  ``torch.compile`` as configured, no DDP, no device move. Accelerate's own FSDP / TP / CP plugins and
+  fp16 (its ``GradScaler`` decides inf-skips per rank, so ranks could disagree) are refused with a
+  ``ValueError``; use ``fsdp=""`` and bf16.
+* DeepSpeed (``TrainingArguments(deepspeed=...)``, Accelerate's DeepSpeed plugin): ``deepspeed.initialize``
+  takes the model (``dmuon.integrations.deepspeed`` joined it), and Trainer's and Accelerate's own DeepSpeed
+  code paths run: the engine's accumulation, clipping, fp16 and ``save_checkpoint`` / ``load_checkpoint``.
+  What changes: Trainer's DeepSpeed set-up drops ``optimizers=`` and asks ``create_optimizer`` again, which
+  **returns** the ``dmuon.Muon`` given (or builds one from ``optimizer_cls_and_kwargs=(dmuon.Muon, {...})``),
+  never AdamW; and its scheduler is **built** on that ``dmuon.Muon`` rather than on DeepSpeed's optimizer
+  (whose groups are ZeRO's only), so Muon's groups follow the schedule too.
 * Gradient averaging: FSDP2 reduce-scatters the sharded params, dmuon reduces the dedicated ones to
   their owners, and ``dmuon.Muon`` averages the remaining plain trainable params at the end of each
   backward -- so nothing is left for DDP to do.
@@ -75,9 +82,10 @@ Applies as usual: ``prepare`` of dataloaders (per-rank split), optimizers and sc
 ``gather`` / ``reduce`` / ``wait_for_everyone`` / ``print`` / logging; ``clip_grad_norm_`` over
 ``model.parameters()``; ``get_state_dict(model)`` and ``save_model(model, dir)`` (full tensors on the
 main process, ``{}`` elsewhere, as for Accelerate's own FSDP). Not supported (``ValueError``):
-Accelerate's FSDP / DeepSpeed / Megatron / TP / CP plugins and fp16 on a dmuon model,
-``clip_grad_norm_`` over part of a dmuon model, and ``save_state`` / ``load_state`` (they write
-rank-0-only optimizer state); checkpoint with dmuon's state-dict functions instead.
+Accelerate's FSDP / Megatron / TP / CP plugins and fp16 on a dmuon model (its DeepSpeed plugin and
+DeepSpeed's fp16 are: docs/guides/deepspeed.md), ``clip_grad_norm_`` over part of a dmuon model, and
+``save_state`` / ``load_state`` outside DeepSpeed (they write rank-0-only optimizer state); checkpoint with
+dmuon's state-dict functions instead.
 
 The package: ``trainer.py`` (the Trainer methods), ``accelerator.py`` (the Accelerator methods),
 ``_model.py`` (:func:`dmuon_model_of`), ``_ranks.py`` (rank 0 acts, every rank learns the outcome),
@@ -112,6 +120,7 @@ from .trainer import (
     _TRAINER_ORIGINALS,
     _t_clip_grad_norm,
     _t_create_optimizer,
+    _t_create_scheduler,
     _t_get_grad_norm,
     _t_load_best_model,
     _t_load_from_checkpoint,
@@ -120,6 +129,7 @@ from .trainer import (
     _t_save_guard,
     _t_save_model,
     _t_save_optimizer_and_scheduler,
+    _t_train,
 )
 
 __all__ = ["DMuonTrainer", "install", "uninstall", "is_installed", "dmuon_model_of", "use_qk_clip_attention",
@@ -220,6 +230,11 @@ class DMuonTrainer(Trainer):
     def _uses_dmuon(self) -> bool:
         return dmuon_model_of(getattr(self, "model", None)) is not None
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self._uses_dmuon():
+            return _t_train(self, *args, **kwargs)
+        return super().train(*args, **kwargs)
+
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if self._uses_dmuon():
             return _t_move_model_to_device(self, model, device)
@@ -229,6 +244,11 @@ class DMuonTrainer(Trainer):
         if self._uses_dmuon():
             return _t_create_optimizer(self, model)
         return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        if self._uses_dmuon():
+            return _t_create_scheduler(self, num_training_steps, optimizer)
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if self._uses_dmuon():

@@ -28,17 +28,23 @@ from ._ranks import _is_distributed
 _ACCEL_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
+def _deepspeed(acc: Accelerator) -> bool:
+    """Whether Accelerate's DeepSpeed plugin runs: ``deepspeed.initialize`` (which dmuon joined) then wraps the
+    model, and Accelerate's own DeepSpeed code paths (no_sync, clipping, state) apply unchanged."""
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
 def _check_accelerator(acc: Accelerator) -> None:
     """Refuse the Accelerate features that would shard, wrap or skip steps per rank on a dmuon model."""
     problems = []
-    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+    if acc.distributed_type in (DistributedType.FSDP, DistributedType.MEGATRON_LM):
         problems.append(f"Accelerate's {acc.distributed_type.value} plugin (the model is already sharded by "
-                        "fully_shard + dmuon; with Trainer pass fsdp='' and no deepspeed config)")
+                        "fully_shard + dmuon; with Trainer pass fsdp='')")
     pc = getattr(acc, "parallelism_config", None)
     if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
         problems.append("tensor / context parallelism from Accelerate's parallelism_config")
-    if acc.mixed_precision == "fp16":
-        problems.append("fp16 (GradScaler skips steps per rank; use bf16)")
+    if acc.mixed_precision == "fp16" and not _deepspeed(acc):  # DeepSpeed's loss scaler decides for every rank
+        problems.append("fp16 (GradScaler skips steps per rank; use bf16, or DeepSpeed's fp16)")
     if _is_distributed() and acc.num_processes != dist.get_world_size():
         problems.append(
             f"Accelerate runs {acc.num_processes} process(es) but torch.distributed has {dist.get_world_size()} "
@@ -57,7 +63,7 @@ def _a_prepare(acc: Accelerator, *args: Any, device_placement: list[bool] | None
 
 def _a_prepare_model(acc: Accelerator, model: nn.Module, device_placement: bool | None = None,
                      evaluation_mode: bool = False) -> nn.Module:
-    if dmuon_model_of(model) is None:
+    if dmuon_model_of(model) is None or _deepspeed(acc):
         return _ACCEL_ORIGINALS["prepare_model"](acc, model, device_placement, evaluation_mode)
     _check_accelerator(acc)
     # Autocast and torch.compile as configured, no DDP, no device move (what Trainer does for models that
@@ -68,6 +74,8 @@ def _a_prepare_model(acc: Accelerator, model: nn.Module, device_placement: bool 
 def _a_clip_grad_norm_(acc: Accelerator, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                        norm_type: float = 2) -> torch.Tensor:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if _deepspeed(acc):  # DeepSpeed clipped in engine.step(); this returns the norm it used
+        return _ACCEL_ORIGINALS["clip_grad_norm_"](acc, params, max_norm, norm_type)
     ids = {id(p) for p in params}
     for m in acc._models:
         root = dmuon_model_of(m)
@@ -95,7 +103,7 @@ def _a_clip_grad_norm_(acc: Accelerator, parameters: Iterable[torch.Tensor] | to
 @contextlib.contextmanager
 def _a_no_sync(acc: Accelerator, model: nn.Module) -> Iterator[None]:
     root = dmuon_model_of(model)
-    if root is None:
+    if root is None or _deepspeed(acc):  # DeepSpeed's boundary decides, and dmuon follows it
         with _ACCEL_ORIGINALS["no_sync"](acc, model):
             yield
         return
@@ -113,7 +121,7 @@ def _a_get_state_dict(acc: Accelerator, model: nn.Module, unwrap: bool = True) -
 
 def _refuse_state(name: str) -> Callable[..., Any]:
     def method(acc: Accelerator, *args: Any, **kwargs: Any) -> Any:
-        if any(dmuon_model_of(m) is not None for m in acc._models):
+        if not _deepspeed(acc) and any(dmuon_model_of(m) is not None for m in acc._models):
             raise ValueError(
                 f"dmuon: Accelerator.{name} saves or loads optimizer state on the main process only, which "
                 "loses dmuon's per-owner Muon state. Use dmuon.get/set_model_state_dict and "

@@ -60,23 +60,65 @@ def _t_move_model_to_device(trainer: Trainer, model: nn.Module, device: torch.de
     logger.debug("dmuon: not moving the model to %s; FSDP2 and dmuon placed its tensors already", device)
 
 
+def _deepspeed(trainer: Trainer) -> bool:
+    """Whether ``TrainingArguments(deepspeed=...)`` runs this Trainer: DeepSpeed's engine then trains the model
+    (dmuon joined ``deepspeed.initialize``), and the Trainer's own DeepSpeed code paths apply unchanged."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def _original(name: str) -> Callable[..., Any]:
+    """``Trainer``'s own method (not the dispatcher ``install`` put in its place)."""
+    return _TRAINER_ORIGINALS[name]
+
+
+def _t_train(trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+    """Before ``train`` runs: keep the ``dmuon.Muon`` the Trainer was given (its DeepSpeed set-up drops
+    ``optimizers=`` and asks ``create_optimizer`` again) and install the DeepSpeed glue if it will be needed."""
+    if isinstance(trainer.optimizer, Muon):
+        trainer._dmuon_optimizer = trainer.optimizer
+    if _deepspeed(trainer):
+        from .. import deepspeed  # noqa: F401  (importing installs the glue before deepspeed.initialize)
+    return _original("train")(trainer, *args, **kwargs)
+
+
 def _t_create_optimizer(trainer: Trainer, model: nn.Module | None = None) -> torch.optim.Optimizer:
-    if trainer.optimizer is None:
-        raise ValueError(
-            "dmuon: Trainer would build its own optimizer over the dedicated placeholders. Pass "
-            "Trainer(..., optimizers=(dmuon.Muon(model, lr=..., adamw_lr=...), None))."
-        )
     root = _root_for(trainer, None)
-    _muon_of(trainer, root)
+    if trainer.optimizer is None:  # DeepSpeed's set-up, or no optimizer given: ours, never Trainer's AdamW
+        cls_kwargs = trainer.optimizer_cls_and_kwargs
+        if cls_kwargs is not None and isinstance(cls_kwargs[0], type) and issubclass(cls_kwargs[0], Muon):
+            trainer.optimizer = cls_kwargs[0](root, **cls_kwargs[1])
+        elif isinstance(getattr(trainer, "_dmuon_optimizer", None), Muon):
+            trainer.optimizer = trainer._dmuon_optimizer
+        else:
+            raise ValueError(
+                "dmuon: Trainer would build its own optimizer over the dedicated placeholders. Pass "
+                "Trainer(..., optimizers=(dmuon.Muon(model, lr=..., adamw_lr=...), None)), or "
+                "Trainer(..., optimizer_cls_and_kwargs=(dmuon.Muon, {\"lr\": ..., \"adamw_lr\": ...}))."
+            )
+    if _deepspeed(trainer) and not isinstance(trainer.optimizer, Muon):  # prepared already: DeepSpeed's
+        return trainer.optimizer
+    trainer._dmuon_optimizer = _muon_of(trainer, root)
     return trainer.optimizer
 
 
+def _t_create_scheduler(trainer: Trainer, num_training_steps: int, optimizer: Any = None) -> Any:
+    """Under DeepSpeed, Trainer builds its scheduler on DeepSpeed's optimizer, whose groups are only those ZeRO
+    steps: build it on ``dmuon.Muon`` instead, so Muon's groups follow the schedule too (the same dicts)."""
+    if optimizer is None and _deepspeed(trainer) and isinstance(getattr(trainer, "_dmuon_optimizer", None), Muon):
+        optimizer = trainer._dmuon_optimizer
+    return _original("create_scheduler")(trainer, num_training_steps, optimizer)
+
+
 def _t_clip_grad_norm(trainer: Trainer, model: nn.Module) -> torch.Tensor:
+    if _deepspeed(trainer):  # DeepSpeed clips in engine.step(), by a norm with the dedicated gradients in it
+        return _original("_clip_grad_norm")(trainer, model)
     root = _root_for(trainer, model)
     return _dmuon_clip_grad_norm_(root, trainer.args.max_grad_norm)
 
 
 def _t_get_grad_norm(trainer: Trainer, model: nn.Module, grad_norm: Any = None) -> Any:
+    if _deepspeed(trainer):
+        return _original("_get_grad_norm")(trainer, model, grad_norm)
     if grad_norm is None:  # max_grad_norm <= 0: the norm only (a factor of exactly 1 changes nothing)
         grad_norm = _dmuon_clip_grad_norm_(_root_for(trainer, model), math.inf)
     return grad_norm
@@ -105,6 +147,8 @@ def _t_save_guard(trainer: Trainer, output_dir: str | None = None, state_dict: d
 
 
 def _t_save_optimizer_and_scheduler(trainer: Trainer, output_dir: str) -> None:
+    if _deepspeed(trainer):  # engine.save_checkpoint on every rank: every owner's state in its rank's file
+        return _original("_save_optimizer_and_scheduler")(trainer, output_dir)
     root = _root_for(trainer, None)
     osd = _ckpt.get_optimizer_state_dict(root, _muon_of(trainer, root),
                                          rank0_only=not trainer.args.save_on_each_node)  # collective
@@ -117,6 +161,8 @@ def _t_save_optimizer_and_scheduler(trainer: Trainer, output_dir: str) -> None:
 
 
 def _t_load_from_checkpoint(trainer: Trainer, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    if _deepspeed(trainer):  # engine.load_checkpoint, through dmuon's model state-dict setter
+        return _original("_load_from_checkpoint")(trainer, resume_from_checkpoint, model)
     root = _root_for(trainer, model)
     logger.info("dmuon: loading model weights from %s", resume_from_checkpoint)
     sd = _rank0_only(lambda: _fill_tied(root, _read_weights(resume_from_checkpoint)), {})
@@ -124,6 +170,8 @@ def _t_load_from_checkpoint(trainer: Trainer, resume_from_checkpoint: str, model
 
 
 def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) -> None:
+    if _deepspeed(trainer):  # the engine loaded the optimizer with the model; Trainer reads its scheduler file
+        return _original("_load_optimizer_and_scheduler")(trainer, checkpoint)
     if checkpoint is None:
         return
     root = _root_for(trainer, None)
@@ -142,11 +190,15 @@ def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) ->
 
 
 def _t_load_best_model(trainer: Trainer) -> None:
+    if _deepspeed(trainer):
+        return _original("_load_best_model")(trainer)
     logger.info("dmuon: loading the best model from %s", trainer.state.best_model_checkpoint)
     _t_load_from_checkpoint(trainer, trainer.state.best_model_checkpoint)
 
 
 _TRAINER_IMPLS: dict[str, Callable[..., Any]] = {
+    "train": _t_train,
+    "create_scheduler": _t_create_scheduler,
     "_move_model_to_device": _t_move_model_to_device,
     "create_optimizer": _t_create_optimizer,
     "_clip_grad_norm": _t_clip_grad_norm,

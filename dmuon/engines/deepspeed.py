@@ -1,0 +1,180 @@
+"""DeepSpeed ZeRO stage 1 and 2 as dmuon's engine ([Note: engines] in ``base.py``).
+
+ZeRO-1/2 keeps every param whole on every rank and flattens the optimizer's param groups into one fp32 slice
+per rank; it averages (and, at stage 2, partitions) the gradients of the params in those groups, clips by their
+norm, skips a step on fp16 overflow, and steps its slice. dmuon hands it only the groups of the params it does not
+dedicate, so the dedicated ones are dmuon's alone: their gradients are averaged to the owner at the accumulation
+boundary DeepSpeed decides (:meth:`DeepSpeed.accumulation_boundary`), their norm joins DeepSpeed's, and the
+owners update them after DeepSpeed's step. How dmuon plugs into ``deepspeed.initialize`` and DeepSpeed's optimizer
+is ``dmuon/integrations/deepspeed.py``; this module says what DeepSpeed means to the rest of dmuon. It imports
+deepspeed only in the methods of a binding (a model is DeepSpeed's once ``deepspeed.initialize`` took it).
+
+[Note: DeepSpeed state dicts]
+dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
+param its optimizer state by FQN. ZeRO keeps the AdamW moments and the fp32 masters of its params in its flat
+slices, one per rank; DeepSpeed's own tensor-fragment functions (``deepspeed.utils.safe_get_full_*`` /
+``safe_set_full_*``, which each rank calls for every param in the same order) give them whole and put them back
+into this world size's slices. So a param ZeRO trains has ``step``, ``exp_avg``, ``exp_avg_sq`` in ZeRO's dtype
+(fp32), and, where the model is bf16 or fp16, ``master``: its fp32 master. Loading the model dict alone
+restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load_module_only`` does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from .base import Engine
+
+__all__ = ["DeepSpeed", "is_deepspeed_engine", "zero_managed"]
+
+
+def is_deepspeed_engine(model: Any) -> bool:
+    """Whether ``model`` is a ``deepspeed.DeepSpeedEngine`` (the wrapper ``deepspeed.initialize`` returns)."""
+    ds = sys.modules.get("deepspeed.runtime.engine")
+    return ds is not None and isinstance(model, ds.DeepSpeedEngine)
+
+
+def zero_managed(model: nn.Module) -> list[str]:
+    """The params of ``model`` a ZeRO optimizer already took (``deepspeed.initialize`` ran on it): ZeRO-1/2 links
+    each to its fp32 slice (``_hp_mapping``, what DeepSpeed's own ``safe_get_full_fp32_param`` looks for), ZeRO-3
+    gives each an id (``ds_id``)."""
+    return [n for n, p in model.named_parameters() if hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")]
+
+
+class DeepSpeed(Engine):
+    """DeepSpeed ZeRO-1/2: averages, clips and steps every non-dedicated param; decides the accumulation boundary
+    (``gradient_accumulation_steps``), which dmuon's hooks follow; clips with ``gradient_clipping`` by a norm that
+    includes the dedicated gradients. Not available: ``dmuon.no_sync`` (DeepSpeed's boundary decides) and
+    ``dmuon.clip_grad_norm_`` (DeepSpeed clips, and its gradients live in its flat slices)."""
+
+    kind: ClassVar[str] = "deepspeed"
+    averages_plain: ClassVar[bool] = True
+    bound_only: ClassVar[bool] = True
+    #: the engine runs the optimizer step (``engine.step()``); ``dmuon.Muon.step`` alone would skip ZeRO's part
+    drives_step: ClassVar[bool] = True
+
+    @classmethod
+    def claims(cls, model: nn.Module) -> bool:
+        return is_deepspeed_engine(model)
+
+    @classmethod
+    def unwrap(cls, model: nn.Module) -> nn.Module:
+        return model.module if is_deepspeed_engine(model) else model  # type: ignore[return-value]
+
+    @classmethod
+    def refuse_taken(cls, model: nn.Module) -> None:
+        taken = zero_managed(model) if not is_deepspeed_engine(model) else ["<every param>"]
+        if taken:
+            raise ValueError(
+                "dmuon.dedicate_params must run before deepspeed.initialize, but DeepSpeed already took this model "
+                f"(ZeRO holds {taken[:3]}{'...' if len(taken) > 3 else ''}). Call dmuon.dedicate_params(model, mesh, "
+                "...) and build dmuon.Muon(model, ...) first, then engine, optimizer, _, _ = "
+                "deepspeed.initialize(model=model, optimizer=optimizer, config=...). Nothing was changed."
+            )
+
+    # ------------------------------------------------------------------ #
+    # The binding                                                          #
+    # ------------------------------------------------------------------ #
+    @property
+    def zero(self) -> Any:
+        """The ``DeepSpeedZeroOptimizer`` of the bound engine."""
+        return self.wrapper.optimizer  # type: ignore[union-attr]
+
+    def accumulation_boundary(self) -> bool | None:
+        engine: Any = self.wrapper
+        return bool(engine.is_gradient_accumulation_boundary()) and not engine.inside_no_sync_ctxt
+
+    @contextmanager
+    def no_sync(self, *, resume: bool) -> Iterator[None]:
+        raise ValueError(
+            "dmuon.no_sync on a DeepSpeed model: the DeepSpeed engine decides when gradients are averaged "
+            "(gradient_accumulation_steps in its config), and dmuon follows it. Call engine.backward(loss) and "
+            "engine.step() for every micro-batch instead."
+        )
+        yield  # pragma: no cover - a generator, so the error comes from entering the block
+
+    def check_norm(self, what: str) -> None:
+        raise ValueError(
+            f"{what} on a DeepSpeed model: DeepSpeed clips itself, by a norm that includes the dedicated "
+            "gradients; set gradient_clipping in its config, and read the norm with engine.get_global_grad_norm()."
+        )
+
+    def check_optimizer(self) -> None:
+        raise ValueError(
+            "dmuon.Muon on a model deepspeed.initialize already took: build dmuon.Muon(model, ...) first and pass "
+            "it to deepspeed.initialize(model=model, optimizer=optimizer, config=...)."
+        )
+
+    def after_model_load(self) -> None:
+        """ZeRO keeps fp32 copies of its params (the slice it steps): restart them from the loaded values."""
+        self.zero.refresh_fp32_params()
+
+    # ------------------------------------------------------------------ #
+    # State dicts ([Note: DeepSpeed state dicts])                          #
+    # ------------------------------------------------------------------ #
+    def group_params(self, optimizer: Any, group: dict[str, Any]) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        by_name = dict(self.model.named_parameters())  # ZeRO replaced the group's params by its flat slice
+        return [(name, by_name[name], group) for name in group["param_names"]]
+
+    def _flat_state(self, group: dict[str, Any]) -> dict[str, Any]:
+        """torch AdamW's state of the group's flat slice on this rank (empty before the first step)."""
+        return self.zero.optimizer.state.get(group["params"][0], {})
+
+    def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        flat = self._flat_state(group)
+        if not flat:
+            return None
+        st: dict[str, Any] = {"step": flat["step"].detach().clone()}
+        for k in sorted(k for k in flat if k != "step"):
+            st[k] = safe_get_full_optimizer_state(p, k)  # collective over the ranks
+        if p.dtype != self.state_dtype(p):
+            st["master"] = safe_get_full_fp32_param(p)
+        return st
+
+    def state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.zero.single_partition_of_fp32_groups[0].dtype
+
+    def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
+                             ) -> dict[torch.Tensor, dict[str, Any]]:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if not states:
+            return {}
+        facade = self.zero.optimizer
+        for group in facade.param_groups:  # before the first step: the zero state it would create
+            flat = group["params"][0]
+            if not facade.state.get(flat):
+                facade.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        self.zero._lazy_init_hp_params_optimizer_state()  # ZeRO's own link of each param to its slices' state
+        groups = {id(p): g for g in optimizer.param_groups for _, p, g in
+                  (self.group_params(optimizer, g) if g["kind"] in ("adamw", "adamw_replicated") else [])}
+        for p, st in states.items():
+            for k, v in st.items():
+                if k == "step":
+                    self._flat_state(groups[id(p)])["step"] = v.detach().to(torch.float32).clone().cpu()
+                elif k == "master":
+                    safe_set_full_fp32_param(p, v)
+                else:
+                    safe_set_full_optimizer_state(p, v, k)
+        return {}
+
+    def check_optimizer_dict(self, *, sharded: bool) -> None:
+        if sharded:
+            raise ValueError(
+                "dmuon.get_optimizer_state_dict(sharded=True) on a DeepSpeed model: ZeRO keeps the AdamW state in "
+                "its own flat slices; save with engine.save_checkpoint, or dmuon's full dicts (sharded=False)."
+            )
+
+    def describe(self) -> dict[str, Any]:
+        engine: Any = self.wrapper
+        return {**super().describe(), "zero_stage": engine.zero_optimization_stage(),
+                "gradient_accumulation_steps": engine.gradient_accumulation_steps()}

@@ -1,0 +1,98 @@
+"""What ``deepspeed.initialize`` must not be given with a dmuon model: checked on every rank, agreed in one gather,
+raised on every rank together, before DeepSpeed changes anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...optim import Muon
+from ...runtime import comm as C
+from ...runtime.hooks import DMuonState
+
+__all__ = ["problems", "agree"]
+
+
+def _dtype(config: Any) -> torch.dtype | None:
+    """The dtype DeepSpeed casts every param to (``fp16`` / ``bf16`` enabled), else ``None`` (none cast)."""
+    if config.float16_config.enabled:
+        return torch.float16
+    if config.bfloat16_config.enabled:
+        return torch.bfloat16
+    return None
+
+
+def _optimizer_problem(state: DMuonState, optimizer: Any, model_parameters: Any) -> str | None:
+    """An optimizer other than the model's ``dmuon.Muon`` puts dedicated params into DeepSpeed's groups."""
+    if isinstance(optimizer, Muon) and optimizer._dmuon_state is state:
+        if getattr(optimizer, "_deepspeed_drive", None) is not None:
+            return ("this dmuon.Muon was already handed to deepspeed.initialize; build a new one for a new engine "
+                    "(dmuon.Muon(model, ...))")
+        if not any(g["params"] for g in optimizer.param_groups if g["kind"] in ("adamw", "adamw_replicated")):
+            return ("every trainable param is dedicated, so ZeRO would get no param group (DeepSpeed needs one); "
+                    "leave some params (norms, the embedding) out of dmuon.dedicate_params")
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        where = f"optimizer={type(optimizer).__name__}"
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    else:  # None (the config's "optimizer" section) or a callable: both over model_parameters or every param
+        where = ("the config's 'optimizer' section" if optimizer is None else "the optimizer callable") + (
+            " over model_parameters" if model_parameters is not None else " over model.parameters()")
+        params = list(model_parameters) if model_parameters is not None else list(state.model.parameters())
+        params = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    ids = {id(p) for p in params}
+    inside = [dp.fqn for dp in state.dedicated() if id(dp.bound()) in ids]
+    if inside:
+        return (f"dedicated param {inside[0]!r} is inside a DeepSpeed optimizer group ({where}), so ZeRO would "
+                "average and step it as well. Pass optimizer=dmuon.Muon(model, ...): it hands DeepSpeed the other "
+                "params only")
+    return (f"{where} holds none of the dedicated params, so nothing would train them. Pass "
+            "optimizer=dmuon.Muon(model, ...)")
+
+
+def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: Any) -> list[str]:
+    """Everything about this ``deepspeed.initialize`` call dmuon cannot train, each with its fix (this rank)."""
+    out = []
+    stage = int(config.zero_optimization_stage)
+    if stage not in (1, 2):
+        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 1 and 2 (stage 3 "
+                   "partitions every param itself, stage 0 all-reduces every gradient, the dedicated ones too): set "
+                   "\"zero_optimization\": {\"stage\": 1} or {\"stage\": 2}")
+    found = _optimizer_problem(state, optimizer, model_parameters)
+    if found is not None:
+        out.append(found)
+    dtype = _dtype(config)
+    wrong = [dp for dp in state.dedicated() if dtype is not None and dp.compute_dtype != dtype]
+    if wrong:
+        out.append(f"the config trains in {dtype} but dedicated param {wrong[0].fqn!r} computes in "
+                   f"{wrong[0].compute_dtype}: cast the model before dmuon.dedicate_params (model.to({dtype})), and "
+                   "give dmuon.Muon master_dtype=torch.float32 for fp32 Muon state")
+    zero = config.zero_config
+    if dtype == torch.bfloat16 and stage == 1 and config.grad_accum_dtype not in (None, "bf16", "bfloat16"):
+        out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
+                   "which dmuon does not drive: use ZeRO stage 2, or leave grad_accum_dtype unset")
+    offload = getattr(zero, "offload_optimizer", None)
+    device = str(getattr(offload, "device", "none")).lower()
+    if offload is not None and device not in ("none", "offloaddeviceenum.none"):
+        out.append("zero_optimization.offload_optimizer is not supported with dmuon (its step runs on the CPU "
+                   "slice only); remove it")
+    if config.scheduler_name is not None:
+        out.append(f"the config's scheduler {config.scheduler_name!r} would set one lr for Muon and AdamW alike; "
+                   "build a torch scheduler on dmuon.Muon and pass deepspeed.initialize(..., lr_scheduler=scheduler)")
+    if state.tp_mesh is not None or state.sharded_muon or state.ctx.replicate_size > 1:
+        out.append("dmuon's tensor-parallel, engine-sharded (muon_sharded) and HSDP params need FSDP2; under "
+                   "DeepSpeed dedicate with a 1-D mesh over every rank")
+    return out
+
+
+def agree(mine: list[str]) -> None:
+    """One gather over the default group: if any rank found a problem, every rank raises the same error."""
+    views = C.all_gather_default((dist.get_rank(), mine))
+    found = [(r, p) for r, ps in views for p in ps]  # type: ignore[misc]
+    if found:
+        first: list[str] = views[0][1]  # type: ignore[index]
+        same = all(ps == first for _, ps in views)  # type: ignore[misc]
+        listed = "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
+        raise ValueError(f"dmuon: deepspeed.initialize refused for this dmuon model: {listed}. Nothing was changed.")

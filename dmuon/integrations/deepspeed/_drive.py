@@ -1,0 +1,208 @@
+"""How one dmuon model's step runs inside one DeepSpeed engine: the optimizer ZeRO gets, what joins ZeRO's step,
+and the engine's checkpoint functions.
+
+[Note: DeepSpeed step]
+ZeRO gets a torch ``AdamW`` (the *facade*) over the group dicts of ``dmuon.Muon`` whose params it trains: it
+flattens them, replaces each group's ``params`` by its fp32 slice and calls ``facade.step()`` per group. The
+dedicated params are in no group DeepSpeed sees, so its hooks, reduces, norm, overflow check and ``zero_grad``
+never meet them; the four methods of ZeRO's optimizer object below bring them in, as methods of that one object
+(nothing process-wide changes):
+
+* ``step``: dmuon's runtime drive (``DMuonState.run_step``: the reduces finished, the update, then the
+  non-owners' copies dropped) around ZeRO's own step, followed, unless the step overflowed, by the owners'
+  update: their gradients unscaled and clipped by ZeRO's own ``unscale_and_clip_grads`` with the norm it
+  computed (so both halves see the same factor), then Muon (and AdamW for ``adamw_owner`` params);
+* ``scaled_global_norm``: ZeRO's norm of its slices combined with the dedicated gradients' (each counted once,
+  on its owner): the clip factor and ``engine.get_global_grad_norm()`` are the whole model's;
+* ``has_overflow``: ZeRO's verdict or an inf / NaN in a dedicated gradient (fp16 loss scaling skips the whole
+  step, dmuon's update too);
+* ``zero_grad``: ZeRO's, and the dedicated gradients (after a step, and when an overflow drops the step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ... import engines
+from ...checkpoint import get_model_state_dict, set_model_state_dict
+from ...optim import Muon
+from ...runtime import comm as C
+from ...runtime.hooks import DMuonState
+
+__all__ = ["Drive"]
+
+#: dmuon.Muon's group kinds whose params DeepSpeed trains (the rest are dedicated: dmuon's)
+ENGINE_KINDS = ("adamw", "adamw_replicated")
+#: the key of dmuon's part in the facade's (so each rank's ZeRO file's) optimizer state dict
+STATE_KEY = "dmuon"
+
+
+class Drive:
+    """The optimizer ZeRO gets for one dmuon model, and the methods that bring the dedicated params into ZeRO's
+    step ([Note: DeepSpeed step]). Built before ``DeepSpeedEngine.__init__`` runs, attached after."""
+
+    #: what the glue replaces on each object, per instance (``install`` checks they exist)
+    ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict",
+                                                  "is_gradient_accumulation_boundary")
+    ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
+                                                "unscale_and_clip_grads", "refresh_fp32_params",
+                                                "_lazy_init_hp_params_optimizer_state")
+
+    def __init__(self, state: DMuonState, muon: Muon) -> None:
+        self.state, self.muon = state, muon
+        shared = [g for g in muon.param_groups if g["kind"] in ENGINE_KINDS and g["params"]]
+        adamw = muon._adamw
+        #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains
+        self.facade = torch.optim.AdamW(shared, foreach=adamw.defaults.get("foreach"),
+                                        fused=adamw.defaults.get("fused"))
+        self.shared = list(self.facade.param_groups)
+        self.facade.register_state_dict_post_hook(self._save_owned)
+        self.facade.register_load_state_dict_pre_hook(self._take_owned)
+        self.facade.register_load_state_dict_post_hook(self._relink)
+        self._loaded: dict[str, Any] | None = None
+        #: ZeRO's norm of this step, combined with the dedicated gradients' (``scaled_global_norm``)
+        self.norm: torch.Tensor | None = None
+        self.engine: Any = None
+
+    # ------------------------------------------------------------------ #
+    # Attaching                                                            #
+    # ------------------------------------------------------------------ #
+    def attach(self, engine: Any) -> None:
+        """``DeepSpeedEngine.__init__`` is done: bind the engine, route dmuon's steps through it."""
+        self.engine = engine
+        zero = engine.optimizer
+        for name in ("step", "scaled_global_norm", "has_overflow", "zero_grad"):
+            setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
+        engine.module_state_dict = self._module_state_dict
+        engine.load_module_state_dict = self._load_module_state_dict
+        muon = self.muon
+        muon._deepspeed_drive = self
+        muon._adamw.param_groups = [g for g in muon.param_groups if g["kind"] == "adamw_owned"]  # owners' AdamW
+        engines.bind(engine)  # no plain params for dmuon; the engine's accumulation boundary
+
+    # ------------------------------------------------------------------ #
+    # ZeRO's optimizer                                                     #
+    # ------------------------------------------------------------------ #
+    @torch.no_grad()
+    def _zero_step(self, original: Any, closure: Any = None) -> None:
+        self.state.run_step(lambda: self._update(original), wait_publish=True)
+
+    def _update(self, zero_step: Any) -> None:
+        zero = self.engine.optimizer
+        self.norm = None
+        zero_step()
+        if zero.overflow:  # ZeRO skipped the step and dropped the gradients (``zero_grad``: ours too)
+            return
+        grads = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
+        if grads:
+            zero.unscale_and_clip_grads(grads, self.norm)
+        self.muon._update_owned()
+        self.muon._adamw.step()
+        self.muon._check_pending = False
+
+    def _zero_scaled_global_norm(self, original: Any, norm_type: float = 2) -> torch.Tensor:
+        theirs = original(norm_type)
+        ctx = self.state.ctx
+        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        for dp in self.state.owned():
+            g = dp.reduced_grad()
+            if g is not None and g.numel():
+                acc = acc + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
+        ours = C.all_reduce_sum(ctx, acc)
+        theirs_t = torch.as_tensor(theirs, dtype=torch.float32).to(ctx.device)
+        total = torch.sqrt(theirs_t.clamp(min=0) ** 2 + ours)
+        # ZeRO marks an inf / NaN norm -1 (its overflow sentinel); keep it, and mark a dedicated one the same way
+        total = torch.where((theirs_t < 0) | ~torch.isfinite(total), torch.full_like(total, -1.0), total)
+        self.norm = total.to(theirs.device if isinstance(theirs, torch.Tensor) else total.device)
+        return self.norm
+
+    def _zero_has_overflow(self, original: Any, partition_gradients: bool = True) -> bool:
+        theirs = original(partition_gradients)
+        ctx = self.state.ctx
+        bad = any(not bool(torch.isfinite(g).all()) for dp in self.state.owned()
+                  if (g := dp.reduced_grad()) is not None)
+        ours = C.all_reduce_max(ctx, torch.tensor(1.0 if bad else 0.0, device=ctx.device))
+        return bool(theirs) or bool(ours.item() > 0)
+
+    def _zero_zero_grad(self, original: Any, set_to_none: bool = True) -> None:
+        original(set_to_none)
+        self.state.finish_reduces()
+        self.state.clear_grads(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ #
+    # Checkpoints                                                          #
+    # ------------------------------------------------------------------ #
+    def _module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                           exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """``engine.save_checkpoint`` (every rank): the full model dict, gathered by every rank, kept by rank 0."""
+        sd = get_model_state_dict(self.state.model, rank0_only=True)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.state.model.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
+    def _load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True, *args: Any,
+                                **kwargs: Any) -> None:
+        """``engine.load_checkpoint`` (every rank reads the same file): dmuon's setter (which restarts ZeRO's fp32
+        copies from the loaded values; its optimizer files then bring the saved ones)."""
+        set_model_state_dict(self.state.model, checkpoint["module"])
+
+    def _owned_part(self) -> dict[str, Any]:
+        """This rank's owned Muon state and the hyperparameters of dmuon's own groups."""
+        owned = {dp.fqn: dp for dp in self.state.owned()}
+        st = {fqn: {k: v for k, v in self.muon.state[dp.param].items()} for fqn, dp in owned.items()
+              if self.muon.state.get(dp.param)}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.muon.param_groups
+                  if g["kind"] not in ENGINE_KINDS]
+        plan = {dp.fqn: dp.owner for dp in self.state.dedicated()}
+        return {"plan": plan, "state": st, "groups": groups}
+
+    def _save_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        sd[STATE_KEY] = self._owned_part()
+        return sd
+
+    def _take_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
+        self._loaded = sd.pop(STATE_KEY, None)
+        return sd
+
+    def _relink(self, facade: Any) -> None:
+        """After ZeRO loaded the facade: torch's ``load_state_dict`` made new group dicts, so copy their values
+        into the shared ones (which ``dmuon.Muon`` and its schedulers hold) and hand those back; then restore
+        the owners' state."""
+        for shared, new in zip(self.shared, facade.param_groups):
+            shared.update(new)
+        facade.param_groups = self.shared
+        part, self._loaded = self._loaded, None
+        if part is None:
+            raise ValueError("dmuon: this DeepSpeed checkpoint has no dmuon part in its optimizer files (saved without "
+                             "dmuon?); load the model with load_checkpoint(..., load_module_only=True).")
+        plan = {dp.fqn: dp.owner for dp in self.state.dedicated()}
+        if part["plan"] != plan:
+            raise ValueError(
+                "dmuon: this DeepSpeed checkpoint was saved with another owner plan (another world size or model), so "
+                "each rank's file holds other matrices' Muon state. Resume through dmuon's full state dicts instead: "
+                "dmuon.get_state_dict / set_state_dict (docs/guides/deepspeed.md)."
+            )
+        mine = [g for g in self.muon.param_groups if g["kind"] not in ENGINE_KINDS]
+        for g, saved in zip(mine, part["groups"]):
+            g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        for dp in self.state.owned():
+            entry = part["state"].get(dp.fqn)
+            self.muon.state.pop(dp.param, None)
+            if entry:
+                self.muon.state[dp.param] = {k: v.to(dp.param.device) if isinstance(v, torch.Tensor) and k != "step"
+                                             else v for k, v in entry.items()}
+            dp.forget_master_version()
+
+
+def _bound(method: Any, original: Any) -> Any:
+    """``method`` with ZeRO's own bound method first: what replaces it on the instance."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return method(original, *args, **kwargs)
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    call.__name__ = getattr(original, "__name__", "method")
+    return call
+

@@ -1,0 +1,132 @@
+"""DeepSpeed jobs the DeepSpeed tests share: each rank's setup, the config, the test model under
+``deepspeed.initialize`` with ``dmuon.Muon``, and docs/guides/deepspeed.md's loop (``engine.backward`` +
+``engine.step`` per micro-batch; DeepSpeed's ``gradient_accumulation_steps`` decides the boundary).
+
+The ranks are ``tests/_dist.py``'s gloo processes: DeepSpeed's CPU accelerator takes the process group they made
+(``deepspeed.init_distributed``), with ``LOCAL_RANK`` set as torchrun would.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from tests._training import GLOBAL_BATCH, batches, build_model, full_weights, muon_kwargs, projection_predicate
+
+# before anything imports deepspeed: its CPU accelerator (it would pick CUDA where there is one)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def setup(rank: int) -> Any:
+    """DeepSpeed on this rank: ``LOCAL_RANK`` (which DeepSpeed asserts), no shared-memory comm op (compiling it
+    takes half a minute and a compiler), and the gloo group ``run_distributed`` made. Returns the module."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def config(world: int, *, stage: int, accum: int, clip: float = 0.0, **extra: Any) -> dict[str, Any]:
+    """The DeepSpeed config of one run: the global batch split over ``world`` ranks and ``accum`` micro-batches;
+    ``gradient_clipping`` always set (DeepSpeed's default is 1.0)."""
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // accum, "gradient_accumulation_steps": accum,
+            "zero_optimization": {"stage": stage}, "gradient_clipping": clip, "steps_per_print": 10**9, **extra}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: ZeRO stage, micro-batches per step, DeepSpeed's ``gradient_clipping`` (0: off)."""
+
+    stage: int
+    accum: int
+    clip: float = 0.0
+    #: a deliberately wrong variant: ``"reduce"`` (the dedicated gradients averaged a second time, as ZeRO would
+    #: if they were in its groups), ``"step"`` (an AdamW steps them too, as ZeRO's would)
+    wrong: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage} accum{self.accum} clip{self.clip:g}" + (f" wrong={self.wrong}" if self.wrong else "")
+
+
+def build(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:
+    """The test model dedicated over ``world`` ranks, ``dmuon.Muon`` (the parity hyperparameters) and the engine."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = build_model()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False)
+    opt = dmuon.Muon(model, **muon_kwargs())
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           config=config(world, stage=run.stage, accum=run.accum, clip=run.clip,
+                                                         **ds_extra))
+    return engine, model, opt
+
+
+def train(engine: Any, model: torch.nn.Module, rank: int, world: int, run: Run, steps: range,
+          before_step: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """docs/guides/deepspeed.md's loop over ``steps`` of the shared batches; ``before_step`` runs after each
+    accumulation boundary's backward (the wrong variants). Returns the mean losses and DeepSpeed's norms."""
+    per = GLOBAL_BATCH // world
+    micro = per // run.accum
+    losses, norms = [], []
+    for step, (tok, tgt) in enumerate(batches(steps.stop)):
+        if step not in steps:
+            continue
+        total = torch.zeros(())
+        for i in range(run.accum):
+            lo = rank * per + i * micro
+            loss = engine(tok[lo:lo + micro], tgt[lo:lo + micro]).loss
+            engine.backward(loss)
+            if i == run.accum - 1 and before_step is not None:
+                before_step()
+            engine.step()
+            total += loss.detach() / run.accum
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        norm = engine.get_global_grad_norm()
+        norms.append(float(norm) if norm is not None else float("nan"))
+    return {"losses": losses, "norms": norms}
+
+
+def reduce_again(model: torch.nn.Module, world: int) -> Callable[[], None]:
+    """The ``"reduce"`` wrong variant: every dedicated gradient averaged once more over the ranks with DeepSpeed's
+    all-reduce, the owner's average against the others' zeros, as ZeRO would average a param it held."""
+    from deepspeed import comm
+
+    def hook() -> None:
+        owned = dmuon.get_owned_grads(model)
+        for name, p in sorted(dmuon.get_dedicated_params(model).items()):
+            g = owned[name] if name in owned else torch.zeros(p.shape, dtype=p.dtype)
+            comm.all_reduce(g)
+            g.div_(world)
+
+    return hook
+
+
+def step_too(model: torch.nn.Module, opt: dmuon.Muon) -> Callable[[], None]:
+    """The ``"step"`` wrong variant: an AdamW with dmuon's AdamW settings also steps the owned dedicated params, as
+    ZeRO's AdamW would if they were in its groups."""
+    groups = opt._adamw.defaults
+    extra = torch.optim.AdamW(list(dmuon.get_owned_params(model).values()) or [torch.zeros(1, requires_grad=True)],
+                              lr=groups["lr"], betas=groups["betas"], eps=groups["eps"],
+                              weight_decay=groups["weight_decay"])
+    return extra.step
+
+
+def result(model: torch.nn.Module, trained: dict[str, list[float]]) -> dict[str, Any]:
+    """What a job returns for one run: losses, norms, every weight whole, and this rank's own copy of each param
+    ZeRO trains (to compare the ranks)."""
+    dedicated = dmuon.get_dedicated_params(model)
+    local = {n: p.detach().clone() for n, p in model.named_parameters() if n not in dedicated}
+    return {**trained, "weights": full_weights(model), "local": local}
