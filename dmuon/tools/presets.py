@@ -15,7 +15,8 @@ from types import MappingProxyType
 
 from ..partition import ParamSpec
 
-__all__ = ["LlamaShape", "PRESETS", "PRESET_ALIASES", "canonical_preset", "projection_specs", "shape_groups"]
+__all__ = ["LlamaShape", "MoEShape", "PRESETS", "MOE_PRESETS", "PRESET_ALIASES", "canonical_preset", "projection_specs",
+           "attention_specs", "shape_groups"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class LlamaShape:
             if f.name == "name":
                 continue
             v = getattr(self, f.name)
+            if f.name == "shared_intermediate" and v == 0:  # MoEShape: no shared expert
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LlamaShape {self.name!r}: {f.name} must be a positive int, got {v!r}")
         if self.heads % self.kv_heads:
@@ -55,6 +58,37 @@ PRESETS: Mapping[str, LlamaShape] = MappingProxyType(
             LlamaShape("llama3.2-3b", hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256),
             # Llama-3.1-8B (same shapes as Llama-3-8B).
             LlamaShape("llama3-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256),
+        )
+    }
+)
+
+
+@dataclass(frozen=True)
+class MoEShape(LlamaShape):
+    """A decoder whose every layer's MLP is routed experts (HF ``Qwen3MoeForCausalLM``'s layout):
+    ``experts`` matrices of each of gate ``[E, F, D]``, up ``[E, F, D]`` and down ``[E, D, F]`` per layer,
+    ``top_k`` of them per token, plus an optional shared expert of ``shared_intermediate`` rows (0: none).
+    ``intermediate`` is unused (no dense MLP layer)."""
+
+    experts: int = 1
+    expert_intermediate: int = 1
+    top_k: int = 1
+    shared_intermediate: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k > self.experts:
+            raise ValueError(f"MoEShape {self.name!r}: top_k ({self.top_k}) must be at most experts ({self.experts})")
+
+
+#: MoE shapes, for ``python -m dmuon.plan --simulate`` only (the benchmark builds dense models).
+MOE_PRESETS: Mapping[str, MoEShape] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            # Qwen3-30B-A3B (HF config.json: 48 layers, 128 experts of 768, top-8, GQA 32/4, head_dim 128)
+            MoEShape("qwen3-30b-a3b", hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4, head_dim=128,
+                     vocab=151936, experts=128, expert_intermediate=768, top_k=8),
         )
     }
 )
@@ -102,6 +136,12 @@ def projection_specs(preset: str | LlamaShape) -> list[ParamSpec]:
         ):
             specs.append(ParamSpec(f"{layer}.{name}.weight", shape, layer))
     return specs
+
+
+def attention_specs(shape: LlamaShape) -> list[ParamSpec]:
+    """The 4 attention projections of every layer (HF names, ``(out, in)``): an MoE model's dense Muon matrices
+    (its experts stay on the engine's shards, ``Route.MUON_SHARDED``)."""
+    return [s for s in projection_specs(shape) if ".self_attn." in s.fqn]
 
 
 def shape_groups(preset: str) -> dict[tuple[int, int], int]:
