@@ -1,0 +1,281 @@
+"""What each design does in one step, per rank: its collectives, its Newton–Schulz and its element-wise work.
+
+The designs (:data:`DESIGNS`):
+
+* ``fsdp_adamw``: FSDP2 per layer + root, AdamW on everything: the baseline every overhead is against.
+* ``dmuon``: persistent ownership (``docs/architecture.md`` section 5): FSDP2 keeps only the params outside
+  Muon; each Muon matrix's owner broadcasts it to its shard group before its boundary runs (forward, and
+  again in backward under Z3) and receives its gradient by reduce; under HSDP the owner's shard column
+  holds it, the column reduces over the replicate group and the owner publishes after ``step()``. The owner
+  plan is :func:`dmuon.partition.assign_owners` over every (replicate, shard) slot, experts preloaded where
+  FSDP2 / expert parallelism put them (``Route.MUON_SHARDED``).
+* ``distmuon`` and ``dion``: the all-to-all design (torchtitan's DistMuon, microsoft/dion's Muon, Megatron's
+  plan): FSDP2 as in the baseline for every param, and in ``step()``, per batch of ``g`` same-shape matrices
+  (``g`` the ranks of the shard x tp group), one all-to-all that brings each matrix's momentum shards to its
+  compute rank and one that scatters the update back; each rank orthogonalises one matrix per batch, so the
+  busiest rank (rank 0, first in every batch) runs ``ceil(n / g)`` single-matrix calls per shape group.
+  ``distmuon`` runs torch's NS and waits for each all-to-all; ``dion`` runs gram-newton-schulz's NS (the
+  stand-in for dion's own, :mod:`dmuon.tools.ns_table`) and overlaps one batch's all-to-alls with another's
+  NS. Under HSDP both orthogonalise within the shard group, so every replica repeats the work. Experts,
+  already whole on each rank (dim-0 shards), run a batched NS where they live in every design.
+* validation only: ``naive`` (the benchmark's naive FSDP2 + Muon: every rank gathers every matrix and its
+  gradient and orthogonalises all of them) and ``torch_muon`` (one unsharded ``torch.optim.Muon`` per GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from functools import lru_cache
+from typing import Any
+
+from ..partition import OwnerPlan, ParamSpec, _ns_flops, assign_owners
+from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
+from .ns_table import ns_ms
+from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
+
+__all__ = ["DESIGNS", "VALIDATION_DESIGNS", "simulate_design", "expert_counts", "owner_plan"]
+
+DESIGNS = {
+    "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
+    "dmuon": "persistent ownership: broadcast before each boundary, reduce to the owner, NS where it is owned",
+    "distmuon": "all-to-all design with torch's NS per matrix, all-to-alls not overlapped (torchtitan)",
+    "dion": "all-to-all design, batches of the shard group, NS overlapped with the all-to-alls (microsoft/dion)",
+}
+VALIDATION_DESIGNS = {
+    "naive": "every rank all-gathers each Muon matrix and gradient in step() and orthogonalises all of them",
+    "torch_muon": "one unsharded model per GPU, torch.optim.Muon + AdamW, no communication",
+}
+#: a design's NS backends: (2-D matrices, local experts)
+_NS = {"distmuon": ("torch", "direct-2026-11-29"), "dion": ("gns", "gns")}
+
+
+def expert_counts(experts: int, shard: int) -> list[int]:
+    """Experts of one layer's batched param on each shard index: FSDP2 and expert parallelism both split dim 0
+    like ``torch.chunk`` (``ceil(E / S)`` each, the last ones short or empty)."""
+    step = -(-experts // shard)
+    return [max(0, min(experts, (k + 1) * step) - k * step) for k in range(shard)]
+
+
+@lru_cache(maxsize=64)
+def owner_plan(muon: tuple[tuple[str, tuple[int, int], str], ...], slots: int, preload: tuple[float, ...] | None
+               ) -> OwnerPlan:
+    """``dedicate_params``'s owner plan for these matrices over ``slots`` owner slots (cached: sweeps reuse it)."""
+    specs = [ParamSpec(fqn, shape, layer) for fqn, shape, layer in muon]
+    return assign_owners(specs, slots, preload=list(preload) if preload is not None else None)
+
+
+def _coll(sc: Scenario, name: str, phase: str, kind: str, group: Group, nbytes: float, calls: int,
+          units: int) -> dict[str, Any]:
+    """One collective of a step: ``kind`` gather (all-gather or reduce-scatter), all_reduce, broadcast (or
+    reduce) or a2a; ``nbytes`` as its time function takes it; ``units``: the per-unit calls it is issued in
+    (0: exposed whole)."""
+    links = sc.links
+    fn = {"gather": all_gather_ms, "all_reduce": all_reduce_ms, "broadcast": broadcast_ms, "a2a": all_to_all_ms}
+    g = group.size
+    wire = {"gather": nbytes * (g - 1) / g, "all_reduce": 2 * nbytes * (g - 1) / g, "broadcast": nbytes,
+            "a2a": nbytes * (g - 1) / g}[kind] if g > 1 else 0.0
+    return {"name": name, "phase": phase, "group": g, "link": "nvlink" if group.nodes(links) == 1 else "network",
+            "bytes": wire, "calls": calls if g > 1 else 0, "units": units,
+            "ms": fn[kind](nbytes, group, links, calls)}
+
+
+def _groups(sc: Scenario) -> dict[str, Group]:
+    S, T, R = sc.shard, sc.tp, sc.replicas
+    return {"shard": Group(S, T), "replicate": Group(R, S * T), "tp": Group(T, 1), "ep": Group(sc.ep, T),
+            "efsdp": Group(S // sc.ep, sc.ep * T), "a2a": Group(S * T, 1)}
+
+
+def _fsdp2(sc: Scenario, sz: ModelSizes, wrap: str, root: float, layers: float) -> list[dict[str, Any]]:
+    """FSDP2's collectives: a root unit of ``root`` elements (gathered first in forward, reduced last in
+    backward: nothing to hide under) and, with ``wrap="layers"``, one unit per layer of ``layers`` elements in
+    all (gathered again in backward); ``wrap="none"``: the params are plain, averaged by one all-reduce. Plus
+    the experts' over the expert-FSDP group, HSDP's all-reduce and expert parallelism's token all-to-alls."""
+    b, T, L, g = sc.dtype_bytes, sc.tp, sz.layers, _groups(sc)
+    out = []
+    if wrap == "none":
+        out.append(_coll(sc, "plain-param all-reduce", "backward", "all_reduce", Group(sc.shard * sc.replicas, T),
+                         (root + layers) * b / T, 1, 1))
+    units = [("root", root, 1)] + ([("layers", layers, L)] if wrap == "layers" else [])
+    for what, elements, n in units if wrap != "none" else []:
+        nb = elements * b / T
+        out += [_coll(sc, f"fsdp2 all-gather ({what})", "forward", "gather", g["shard"], nb, n, n),
+                _coll(sc, f"fsdp2 reduce-scatter ({what})", "backward", "gather", g["shard"], nb, n, n)]
+        if what == "layers":
+            out.append(_coll(sc, "fsdp2 all-gather (layers, backward)", "backward", "gather", g["shard"], nb, n, n))
+        if sc.replicas > 1:
+            out.append(_coll(sc, f"fsdp2 all-reduce ({what}, replicate)", "backward", "all_reduce", g["replicate"],
+                             nb / sc.shard, n, n))
+    if sz.experts:
+        xb = sz.expert_elements * b / sc.ep
+        out += [_coll(sc, "fsdp2 experts all-gather", "forward", "gather", g["efsdp"], xb, L, L),
+                _coll(sc, "fsdp2 experts all-gather (backward)", "backward", "gather", g["efsdp"], xb, L, L),
+                _coll(sc, "fsdp2 experts reduce-scatter", "backward", "gather", g["efsdp"], xb, L, L)]
+        if sc.replicas > 1:
+            out.append(_coll(sc, "fsdp2 experts all-reduce (replicate)", "backward", "all_reduce", g["replicate"],
+                             sz.expert_elements * b / sc.shard, L, L))
+    if sc.ep > 1:
+        nbytes = sc.tokens / T * sc.shape.top_k * sz.hidden * b  # type: ignore[attr-defined]
+        for phase in ("forward", "backward"):
+            out.append(_coll(sc, "expert-parallel token all-to-all", phase, "a2a", g["ep"], nbytes * 2 * L, 2 * L, 0))
+    return out
+
+
+def _expert_ns(sc: Scenario, sz: ModelSizes, backend: str, count: int, per_param: bool) -> float:
+    """NS ms of one rank's local experts (``count`` per layer and param): one call per param and layer
+    (``per_param``), or one batched call per shape over all layers (dmuon)."""
+    if not sz.experts or count == 0:
+        return 0.0
+    shapes = Counter(sz.expert_params)
+    if per_param:
+        return sum(k * sz.layers * ns_ms(backend, m, n, count) for (m, n), k in shapes.items())
+    return sum(ns_ms(backend, m, n, k * sz.layers * count) for (m, n), k in shapes.items())
+
+
+def _phases(sc: Scenario, sz: ModelSizes, colls: list[dict[str, Any]], units: int) -> dict[str, float]:
+    fwd, bwd = compute_ms(sc, sz, units)
+    return {"compute_ms": fwd + bwd, "forward_ms": fwd + exposed_ms(colls, "forward", fwd),
+            "backward_ms": bwd + exposed_ms(colls, "backward", bwd), "exposed_step_ms": exposed_ms(colls, "step", 0.0),
+            "exposed_forward_ms": exposed_ms(colls, "forward", fwd), "exposed_backward_ms": exposed_ms(colls, "backward", bwd)}
+
+
+def _baseline(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    root = sz.embed + sz.head + sz.hidden
+    colls = _fsdp2(sc, sz, "layers", root, sz.muon_elements + sz.rest - root)
+    local_experts = expert_counts(sz.experts, sc.shard)[0] * sz.layers * sum(r * c for r, c in sz.expert_params)
+    elementwise = adamw_ms((sz.muon_elements + sz.rest) / (sc.shard * sc.tp) + local_experts, sc.dtype_bytes)
+    return {"collectives": colls, "ns_ms": 0.0, "ns_rank": 0, "elementwise_ms": elementwise,
+            "fsdp_units": sz.layers + 1, "local_experts": local_experts}
+
+
+def _dmuon_ns(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, slot: int) -> float:
+    shape_of = {fqn: shape for fqn, shape, _ in sz.muon}
+    groups = Counter(shape_of[f] for f in plan.ranks[slot].fqns)
+    dense = sum(ns_ms(sc.ns_backend, m, n, -(-k // sc.tp)) for (m, n), k in groups.items())
+    count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
+    return dense + _expert_ns(sc, sz, sc.ns_backend, count, per_param=False) / sc.tp
+
+
+def _buckets(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]:
+    """Broadcast calls of one pass (per boundary, one per owner column) and the (boundary, owner) buckets
+    of each shard column."""
+    pairs = {(layer, plan.owners[fqn]) for fqn, _, layer in sz.muon}
+    per_row = len({(layer, owner % shard) for layer, owner in pairs})
+    return per_row, Counter(owner % shard for _, owner in pairs)
+
+
+def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
+    counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
+    per_expert = sum(_ns_flops(m, n) for m, n in sz.expert_params) * L
+    preload = tuple(float(c * per_expert) for c in counts) * R if sz.experts else None
+    plan = owner_plan(sz.muon, S * R, preload)
+    g = _groups(sc)
+    root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
+    colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
+    calls, columns = _buckets(sz, plan, S)
+    nb = sz.muon_elements * b / T
+    colls.append(_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L))
+    if sc.reshard == "z3":
+        colls.append(_coll(sc, "dmuon backward broadcast", "backward", "broadcast", g["shard"], nb, calls, L))
+    colls.append(_coll(sc, "dmuon reduce", "backward", "broadcast", g["shard"], nb, calls, L))
+    if R > 1:
+        column = [sum(plan.ranks[r * S + s].numel for r in range(R)) for s in range(S)]
+        c = max(range(S), key=lambda s: column[s])
+        cb, cc = column[c] * b / T, columns.get(c, 0)
+        colls.append(_coll(sc, "dmuon replicate reduce", "backward", "broadcast", g["replicate"], cb, cc, L))
+        publish = ("forward", L) if sc.publish_async else ("step", 0)
+        colls.append(_coll(sc, "dmuon replicate publish", publish[0], "broadcast", g["replicate"], cb, cc, publish[1]))
+    ns = [_dmuon_ns(sc, sz, plan, s) for s in range(S * R)]
+    busiest = max(range(S * R), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel / T, b))
+    if T > 1:
+        shapes = len({shape for fqn, shape, _ in sz.muon if plan.owners[fqn] == busiest})
+        slot_bytes = plan.ranks[busiest].numel * b / T
+        colls.append(_coll(sc, "dmuon tp exchange", "step", "a2a", g["tp"], 2 * slot_bytes, 2 * shapes, 0))
+    local = counts[busiest % S] * L * sum(r * c for r, c in sz.expert_params)
+    elementwise = (muon_update_ms(plan.ranks[busiest].numel / T + local, b)
+                   + adamw_ms(sz.rest / (S * T), b))
+    # experts stay in per-layer FSDP2 units whatever the wrap of the rest
+    units = L + 1 if sc.dmuon_wrap == "layers" or sz.experts else {"root": 1, "none": 0}[sc.dmuon_wrap]
+    return {"collectives": colls, "ns_ms": ns[busiest], "ns_rank": busiest, "elementwise_ms": elementwise,
+            "fsdp_units": units, "plan": plan, "idle_owners": sum(1 for r in plan.ranks if not r.fqns)}
+
+
+def _all_to_all(sc: Scenario, sz: ModelSizes, design: str) -> dict[str, Any]:
+    out = _baseline(sc, sz)
+    single, batched = _NS[design]
+    g = sc.shard * sc.tp
+    groups = Counter(shape for _, shape, _ in sz.muon)
+    batches = sum(-(-k // g) for k in groups.values())
+    ns = sum(-(-k // g) * ns_ms(single, m, n, 1) for (m, n), k in groups.items())
+    ns += _expert_ns(sc, sz, batched, expert_counts(sz.experts, sc.shard)[0] if sz.experts else 0, per_param=True)
+    nb = sz.muon_elements * sc.dtype_bytes / g
+    group = _groups(sc)["a2a"]
+    a2a = [_coll(sc, "all-to-all to the compute rank", "step", "a2a", group, nb, batches, 0),
+           _coll(sc, "all-to-all back to the shards", "step", "a2a", group, nb, batches, 0)]
+    comm = sum(c["ms"] for c in a2a)
+    if design == "dion":  # one batch's all-to-alls under another's NS: only the longer of the two, plus a fill
+        muon_step = max(ns, comm) + min(ns, comm) / max(batches, 1)
+    else:
+        muon_step = ns + comm
+    for c in a2a:
+        c["units"] = -1  # costed in the optimizer step, not as an exposed phase collective
+    out["collectives"] += a2a
+    out.update(ns_ms=ns, elementwise_ms=adamw_ms(sz.rest / g, sc.dtype_bytes)
+               + muon_update_ms(sz.muon_elements / g + out["local_experts"], sc.dtype_bytes),
+               a2a_ms=comm, muon_step_ms=muon_step)
+    return out
+
+
+def _naive(sc: Scenario, sz: ModelSizes, backend: str) -> dict[str, Any]:
+    out = _baseline(sc, sz)
+    n = len(sz.muon)
+    nb = sz.muon_elements * sc.dtype_bytes / sc.tp
+    group = _groups(sc)["shard"]
+    out["collectives"] += [_coll(sc, "all-gather of each gradient", "step", "gather", group, nb, n, 0),
+                           _coll(sc, "all-gather of each matrix", "step", "gather", group, nb, n, 0)]
+    out["ns_ms"] = sum(ns_ms(backend, m, c, 1) for _, (m, c), _ in sz.muon)
+    out["elementwise_ms"] = (muon_update_ms(sz.muon_elements, sc.dtype_bytes)
+                             + adamw_ms(sz.rest / (sc.shard * sc.tp), sc.dtype_bytes))
+    return out
+
+
+def _torch_muon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    groups = Counter(shape for _, shape, _ in sz.muon)
+    ns = sum(ns_ms("torch", m, n, k) for (m, n), k in groups.items())
+    elementwise = muon_update_ms(sz.muon_elements, sc.dtype_bytes) + adamw_ms(sz.rest, sc.dtype_bytes)
+    return {"collectives": [], "ns_ms": ns, "ns_rank": 0, "elementwise_ms": elementwise, "fsdp_units": 0}
+
+
+def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2026-11-29") -> dict[str, Any]:
+    """One design's step on ``sc``, per rank (the busiest where ranks differ): phase times, NS, element-wise
+    work, every collective with its bytes and time, and the exposed communication of each phase."""
+    sz = sizes_of(sc.shape, sc.seq)
+    if design == "fsdp_adamw":
+        parts = _baseline(sc, sz)
+    elif design == "dmuon":
+        parts = _dmuon(sc, sz)
+    elif design in _NS:
+        parts = _all_to_all(sc, sz, design)
+    elif design == "naive":
+        parts = _naive(sc, sz, naive_backend)
+    elif design == "torch_muon":
+        parts = _torch_muon(sc, sz)
+    else:
+        raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
+                         f"{', '.join([*DESIGNS, *VALIDATION_DESIGNS])}")
+    colls = [c for c in parts["collectives"] if c["units"] >= 0]
+    out = _phases(sc, sz, colls, parts["fsdp_units"])
+    muon_step = parts.get("muon_step_ms", parts["ns_ms"])
+    out["optimizer_ms"] = muon_step + parts["elementwise_ms"] + out["exposed_step_ms"]
+    out["step_ms"] = out["forward_ms"] + out["backward_ms"] + out["optimizer_ms"]
+    out["exposed_ms"] = (out["exposed_forward_ms"] + out["exposed_backward_ms"] + out["exposed_step_ms"]
+                         + parts.get("a2a_exposed_ms", max(0.0, muon_step - parts["ns_ms"])))
+    out.update({k: parts[k] for k in ("ns_ms", "ns_rank", "elementwise_ms")})
+    out["bytes_per_rank"] = sum(c["bytes"] for c in parts["collectives"])
+    out["collectives"] = parts["collectives"]
+    if "plan" in parts:
+        out["idle_owners"] = parts["idle_owners"]
+        out["imbalance"] = parts["plan"].imbalance
+    out["design"] = design
+    return out
