@@ -2,6 +2,8 @@
 
     python -m dmuon.plan --preset llama3-8b --world-size 64
     python -m dmuon.plan --config path/to/config.json --world-size 16 --replicas 4 --json
+    python -m dmuon.plan --simulate --preset llama3-8b --world-size 8 [--plot overhead.png]
+    python -m dmuon.plan --validate
 
 Runs the same planner ``dedicate_params`` runs (same cost model, same owners), on the projection
 matrices of a Llama-shaped model, and reports per rank: owned matrices, elements, NS-cost share, the
@@ -9,6 +11,12 @@ memory dmuon holds for dedicated params (owned weights + Muon momentum, plus the
 under Z3 / Z2), and the elements dmuon's collectives move per step (payload per rank, as
 ``dmuon.diagnostics`` counts them). The table prints one row per distinct line, with the ranks that share
 it, so a 512-rank plan fits a screen (``--per-rank``: one row per rank; ``--json``: everything).
+
+``--simulate`` predicts the step instead (:mod:`dmuon.tools.simulate`): per design (FSDP2 + AdamW, dmuon's
+ownership, the all-to-all designs), the step time, its overhead over FSDP2 + AdamW, the busiest rank's
+Newton–Schulz, the bytes per rank and the exposed communication, from Newton–Schulz times measured on an
+H200 and a link model given as options; ``--plot FILE`` draws the overhead from 8 to 1024 GPUs.
+``--validate`` prints the model against every run ``docs/benchmarks.md`` measured.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from collections import defaultdict
 from typing import Any
 
 from ..partition import _count, assign_owners
-from .presets import PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
+from .comm_model import Links
+from .ns_table import BACKENDS
+from .presets import MOE_PRESETS, PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
 __all__ = ["make_plan", "idle_owner_warning", "main", "cli"]
 
@@ -151,19 +161,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dmuon.plan",
         description="Owner assignment, per-rank memory and per-step traffic of dmuon's dedicated matrices\n"
-                    "for a Llama-shaped model, computed without a GPU by the planner dedicate_params uses.",
+                    "for a Llama-shaped model, computed without a GPU by the planner dedicate_params uses;\n"
+                    "with --simulate, the predicted step time of dmuon and the all-to-all designs against\n"
+                    "FSDP2 + AdamW.",
         epilog="examples:\n  python -m dmuon.plan --preset llama3-8b --world-size 64\n"
-               "  python -m dmuon.plan --config config.json --world-size 16 --replicas 4 --json",
+               "  python -m dmuon.plan --config config.json --world-size 16 --replicas 4 --json\n"
+               "  python -m dmuon.plan --simulate --preset llama3-8b --world-size 64 --replicas 8 --plot o.png\n"
+               "  python -m dmuon.plan --simulate --preset qwen3-30b-a3b --world-size 8 --ep 8\n"
+               "  python -m dmuon.plan --validate",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = parser.add_mutually_exclusive_group(required=True)
+    src = parser.add_mutually_exclusive_group()
     aliases = ", ".join(f"{k}={v}" for k, v in PRESET_ALIASES.items())
-    src.add_argument("--preset", type=canonical_preset, choices=sorted(PRESETS), metavar="NAME",
-                     help=f"a built-in model shape, one of: {', '.join(sorted(PRESETS))} (short names accepted: "
-                          f"{aliases})")
+    names = sorted(PRESETS) + sorted(MOE_PRESETS)
+    src.add_argument("--preset", type=canonical_preset, choices=names, metavar="NAME",
+                     help=f"a built-in model shape, one of: {', '.join(names)} (short names accepted: "
+                          f"{aliases}; the MoE shape {', '.join(sorted(MOE_PRESETS))} with --simulate only)")
     src.add_argument("--config", metavar="PATH", help="a HuggingFace config.json of a Llama-style model "
                      "(Llama, Qwen2, Mistral keys), instead of --preset")
-    parser.add_argument("--world-size", type=int, required=True, metavar="W",
-                        help="number of ranks (GPUs) in the job")
+    parser.add_argument("--world-size", type=int, metavar="W",
+                        help="number of ranks (GPUs) in the job (needed except with --validate)")
     parser.add_argument("--replicas", type=int, default=1, metavar="R",
                         help="HSDP replicate size; must divide W (default 1: plain FSDP over all W ranks)")
     parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
@@ -173,20 +189,118 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-param", action="store_true", help="also list every matrix with its owner rank")
     parser.add_argument("--per-rank", action="store_true",
                         help="one table row per rank (default: one row per distinct row, with its ranks)")
+    _simulate_options(parser)
     return parser
+
+
+def _simulate_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--simulate`` and ``--validate`` (their defaults: the link model's, see
+    :mod:`dmuon.tools.comm_model`)."""
+    sim = parser.add_argument_group("--simulate: the predicted step (no GPU needed)")
+    links = Links()
+    sim.add_argument("--simulate", action="store_true",
+                     help="predict each design's step time, overhead over FSDP2 + AdamW, busiest rank's "
+                          "Newton-Schulz, bytes per rank and exposed communication")
+    sim.add_argument("--validate", action="store_true",
+                     help="print the model against every step time docs/benchmarks.md measured, and its errors")
+    sim.add_argument("--designs", default="dmuon,distmuon,dion", metavar="LIST",
+                     help="designs to compare with fsdp_adamw, comma-separated, of: dmuon (ownership), distmuon "
+                          "(all-to-all, torch's NS), dion (all-to-all, pipelined) (default dmuon,distmuon,dion)")
+    sim.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (default 1)")
+    sim.add_argument("--ep", type=int, default=1, metavar="E",
+                     help="expert-parallel size, inside the shard group, MoE presets only (default 1)")
+    sim.add_argument("--batch", type=int, default=4, metavar="B",
+                     help="sequences per data-parallel rank and optimizer step (default 4)")
+    sim.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
+    sim.add_argument("--reshard", choices=("z3", "z2"), default="z3",
+                     help="dmuon: free the broadcast weights after forward (z3) or keep them (z2) (default z3)")
+    sim.add_argument("--ns-backend", choices=sorted(BACKENDS), default="auto",
+                     help="dmuon's Newton-Schulz, as measured on an H200 on the day named (default auto: today's)")
+    sim.add_argument("--gpus-per-node", type=int, default=links.gpus_per_node, metavar="N",
+                     help=f"GPUs sharing a node's NVLink (default {links.gpus_per_node})")
+    sim.add_argument("--nvlink-gbs", type=float, default=links.nvlink_gbs, metavar="GBS",
+                     help=f"GB/s per GPU and direction inside a node (default {links.nvlink_gbs:g})")
+    sim.add_argument("--network-gbs", type=float, default=links.network_gbs, metavar="GBS",
+                     help=f"GB/s per GPU and direction between nodes (default {links.network_gbs:g})")
+    sim.add_argument("--nvlink-hop-us", type=float, default=links.nvlink_hop_us, metavar="US",
+                     help=f"latency of one ring step inside a node, microseconds (default {links.nvlink_hop_us:g})")
+    sim.add_argument("--network-hop-us", type=float, default=links.network_hop_us, metavar="US",
+                     help=f"latency of one ring step between nodes, microseconds (default {links.network_hop_us:g})")
+    sim.add_argument("--broadcast", choices=("ring", "tree"), default=links.broadcast,
+                     help="how broadcasts and reduces travel: ring (NCCL's only algorithm for them) or tree (a "
+                          f"what-if) (default {links.broadcast})")
+    sim.add_argument("--target", type=float, default=0.03, metavar="F",
+                     help="overhead for the 'tokens needed' lines, as a fraction (default 0.03)")
+    sim.add_argument("--sweep", action="store_true",
+                     help="also print the overhead at 8 to 1024 GPUs, on 1-D FSDP and on HSDP by node")
+    sim.add_argument("--plot", metavar="FILE",
+                     help="draw that sweep into FILE (PNG; needs matplotlib: pip install 'dmuon[demo]')")
 
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.validate:
+        from .simulate import format_validation, validate
+
+        rows = validate()
+        print(json.dumps({"validation": rows}) if args.json else format_validation(rows))
+        return 0
+    if not (args.preset or args.config):
+        parser.error("one of --preset or --config is required (or --validate)")
+    if args.world_size is None:
+        parser.error("--world-size is required (or --validate)")
     if args.world_size < 1:
         parser.error(f"--world-size must be at least 1, got {args.world_size}")
     try:
         shape = args.preset if args.preset else shape_from_hf_config(args.config)
+        if args.simulate or args.plot or args.sweep:
+            return _simulate_cli(args, parser, shape)
+        if isinstance(shape, str) and shape in MOE_PRESETS:
+            raise ValueError(f"dmuon.plan: {shape} is an MoE shape; its owner table is not built here, "
+                             "predict its step with --simulate")
         info = make_plan(shape, args.world_size, args.replicas, args.dtype)
     except ValueError as e:
         parser.error(str(e))
+    return _print_plan(args, info)
+
+
+def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, shape: str | LlamaShape) -> int:
+    """``--simulate``: the table (or JSON), the tokens each design needs for ``--target``, the sweep, the chart."""
+    from .simulate import MUON_DESIGNS, format_simulation, format_sweep, plot_sweep, simulate, sweep, tokens_for_overhead
+    from .step_model import Scenario
+
+    if args.per_param or args.per_rank:
+        raise ValueError("dmuon.plan: --per-param and --per-rank are options of the owner table, not of --simulate")
+    designs = tuple(d.strip() for d in args.designs.split(",") if d.strip())
+    unknown = [d for d in designs if d not in MUON_DESIGNS]
+    if unknown or not designs:
+        raise ValueError(f"dmuon.plan: --designs takes names of {', '.join(MUON_DESIGNS)}, got {args.designs!r}")
+    links = Links(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
+                  nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast)
+    preset = (PRESETS.get(shape) or MOE_PRESETS[shape]) if isinstance(shape, str) else shape
+    sc = Scenario(preset, args.world_size, replicas=args.replicas, tp=args.tp, ep=args.ep, batch=args.batch,
+                  seq=args.seq, dtype_bytes=_BYTES[args.dtype], reshard=args.reshard, ns_backend=args.ns_backend,
+                  links=links)
+    res = simulate(sc, designs)
+    res["tokens_for_target"] = {d: tokens_for_overhead(sc, d, args.target) for d in designs}
+    sw = sweep(sc, designs=designs) if args.sweep or args.plot else None
+    if args.plot:
+        plot_sweep(sw, args.plot)
+    if args.json:
+        print(json.dumps(dict(res, sweep=sw, target=args.target)))
+        return 0
+    print(format_simulation(res, res["tokens_for_target"], args.target))
+    if sw is not None and args.sweep:
+        print("\n" + format_sweep(sw))
+    if args.plot:
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, info: dict[str, Any]) -> int:
+    """The owner table (or its JSON), with the idle-owner warning on stderr."""
     warning = idle_owner_warning(info)
     if warning:
         print(warning, file=sys.stderr)
