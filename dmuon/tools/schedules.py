@@ -272,6 +272,7 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
     out["exposed_ms"] = (out["exposed_forward_ms"] + out["exposed_backward_ms"] + out["exposed_step_ms"]
                          + parts.get("a2a_exposed_ms", max(0.0, muon_step - parts["ns_ms"])))
     out.update({k: parts[k] for k in ("ns_ms", "ns_rank", "elementwise_ms")})
+    out["step_all_to_all_ms"] = parts.get("a2a_ms", 0.0)
     out["bytes_per_rank"] = sum(c["bytes"] for c in parts["collectives"])
     out["collectives"] = parts["collectives"]
     if "plan" in parts:
