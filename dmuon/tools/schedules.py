@@ -29,7 +29,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any
 
-from ..partition import OwnerPlan, ParamSpec, _ns_flops, assign_owners
+from ..partition import OwnerPlan, ParamSpec, assign_owners, ns_cost
 from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
@@ -68,8 +68,10 @@ def owner_plan(muon: tuple[tuple[str, tuple[int, int], str], ...], slots: int, p
 def _coll(sc: Scenario, name: str, phase: str, kind: str, group: Group, nbytes: float, calls: int,
           units: int) -> dict[str, Any]:
     """One collective of a step: ``kind`` gather (all-gather or reduce-scatter), all_reduce, broadcast (or
-    reduce) or a2a; ``nbytes`` as its time function takes it; ``units``: the per-unit calls it is issued in
-    (0: exposed whole)."""
+    reduce) or a2a; ``nbytes`` as its time function takes it; ``phase`` forward, backward, step (inside
+    ``step()``, exposed) or optimizer (an all-to-all design's, costed with its NS); ``units``: the per-unit
+    calls it is issued in, of which all but the first (forward) or last (backward) can hide (0: none can).
+    ``bytes`` in the result: what each rank sends."""
     links = sc.links
     fn = {"gather": all_gather_ms, "all_reduce": all_reduce_ms, "broadcast": broadcast_ms, "a2a": all_to_all_ms}
     g = group.size
@@ -167,7 +169,7 @@ def _buckets(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]
 def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
     S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
     counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
-    per_expert = sum(_ns_flops(m, n) for m, n in sz.expert_params) * L
+    per_expert = sum(ns_cost((m, n)) for m, n in sz.expert_params) * L
     preload = tuple(float(c * per_expert) for c in counts) * R if sz.experts else None
     plan = owner_plan(sz.muon, S * R, preload)
     g = _groups(sc)
@@ -211,15 +213,14 @@ def _all_to_all(sc: Scenario, sz: ModelSizes, design: str) -> dict[str, Any]:
     ns += _expert_ns(sc, sz, batched, expert_counts(sz.experts, sc.shard)[0] if sz.experts else 0, per_param=True)
     nb = sz.muon_elements * sc.dtype_bytes / g
     group = _groups(sc)["a2a"]
-    a2a = [_coll(sc, "all-to-all to the compute rank", "step", "a2a", group, nb, batches, 0),
-           _coll(sc, "all-to-all back to the shards", "step", "a2a", group, nb, batches, 0)]
+    # phase "optimizer": costed with the design's NS below (serial or pipelined), not as an exposed collective
+    a2a = [_coll(sc, "all-to-all to the compute rank", "optimizer", "a2a", group, nb, batches, 0),
+           _coll(sc, "all-to-all back to the shards", "optimizer", "a2a", group, nb, batches, 0)]
     comm = sum(c["ms"] for c in a2a)
     if design == "dion":  # one batch's all-to-alls under another's NS: only the longer of the two, plus a fill
         muon_step = max(ns, comm) + min(ns, comm) / max(batches, 1)
     else:
         muon_step = ns + comm
-    for c in a2a:
-        c["units"] = -1  # costed in the optimizer step, not as an exposed phase collective
     out["collectives"] += a2a
     out.update(ns_ms=ns, elementwise_ms=adamw_ms(sz.rest / g, sc.dtype_bytes)
                + muon_update_ms(sz.muon_elements / g + out["local_experts"], sc.dtype_bytes),
@@ -264,8 +265,7 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
     else:
         raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
                          f"{', '.join([*DESIGNS, *VALIDATION_DESIGNS])}")
-    colls = [c for c in parts["collectives"] if c["units"] >= 0]
-    out = _phases(sc, sz, colls, parts["fsdp_units"])
+    out = _phases(sc, sz, parts["collectives"], parts["fsdp_units"])
     muon_step = parts.get("muon_step_ms", parts["ns_ms"])
     out["optimizer_ms"] = muon_step + parts["elementwise_ms"] + out["exposed_step_ms"]
     out["step_ms"] = out["forward_ms"] + out["backward_ms"] + out["optimizer_ms"]

@@ -127,8 +127,8 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
                      f"{r['optimizer_ms']:>9.1f} {r['ns_ms']:>8.1f} {r['exposed_ms']:>8.1f} {_gb(r['bytes_per_rank']):>8}")
     lines.append("")
     lines.append("NS ms: the busiest rank's Newton-Schulz; exposed: communication no compute hides (the all-to-all "
-                 "designs' step() all-to-alls included);\nGB/rank: bytes on each rank's busiest link per step, every "
-                 "collective")
+                 "designs' step() all-to-alls included);\nGB/rank: what each rank sends per step, summed over its "
+                 "collectives")
     dm = res["designs"].get("dmuon")
     if dm and res["more_slots_than_matrices"]:
         lines.append(f"note: {res['owner_slots']} owner slots but {res['dense_muon_matrices']} dense Muon matrices: "
