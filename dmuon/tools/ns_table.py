@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
-__all__ = ["SOURCES", "BACKENDS", "NSPoint", "ns_flops", "ns_ms", "ns_source", "backend_points"]
+__all__ = ["SOURCES", "BACKENDS", "NSPoint", "ns_flops", "ns_ms", "ns_source"]
 
 #: NS steps of every measurement (Keller Jordan's 5, or Polar Express's 5: same products, same time).
 STEPS = 5
@@ -133,13 +133,6 @@ def ns_flops(rows: int, cols: int, batch: int = 1) -> float:
     step, ``m`` the short side), the unit every rate here is counted in."""
     m, n = min(rows, cols), max(rows, cols)
     return float(batch * STEPS * (4 * m * m * n + 2 * m ** 3))
-
-
-def backend_points(backend: str) -> tuple[NSPoint, ...]:
-    """Every measured call of ``backend`` (the composite ``auto-2026-11-29``: both of its forms')."""
-    if backend == "auto-2026-11-29":
-        return BACKENDS["direct-2026-11-29"][1] + BACKENDS["gram-2026-11-29"][1]
-    return BACKENDS[backend][1]
 
 
 def _resolve(backend: str, rows: int, cols: int, batch: int) -> str:

@@ -230,7 +230,7 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
                      help="how broadcasts and reduces travel: ring (NCCL's only algorithm for them) or tree (a "
                           f"what-if) (default {links.broadcast})")
     sim.add_argument("--target", type=float, default=0.03, metavar="F",
-                     help="overhead for the 'tokens needed' lines, as a fraction (default 0.03)")
+                     help="the overhead (a fraction) of the 'within ... from N tokens' lines (default 0.03)")
     sim.add_argument("--sweep", action="store_true",
                      help="also print the overhead at 8 to 1024 GPUs, on 1-D FSDP and on HSDP by node")
     sim.add_argument("--plot", metavar="FILE",

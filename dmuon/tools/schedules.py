@@ -98,8 +98,8 @@ def _fsdp2(sc: Scenario, sz: ModelSizes, wrap: str, root: float, layers: float) 
     if wrap == "none":
         out.append(_coll(sc, "plain-param all-reduce", "backward", "all_reduce", Group(sc.shard * sc.replicas, T),
                          (root + layers) * b / T, 1, 1))
-    units = [("root", root, 1)] + ([("layers", layers, L)] if wrap == "layers" else [])
-    for what, elements, n in units if wrap != "none" else []:
+    units = [] if wrap == "none" else [("root", root, 1)] + ([("layers", layers, L)] if wrap == "layers" else [])
+    for what, elements, n in units:
         nb = elements * b / T
         out += [_coll(sc, f"fsdp2 all-gather ({what})", "forward", "gather", g["shard"], nb, n, n),
                 _coll(sc, f"fsdp2 reduce-scatter ({what})", "backward", "gather", g["shard"], nb, n, n)]
