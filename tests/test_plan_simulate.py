@@ -221,7 +221,8 @@ def test_cli_table_json_and_plot(capsys, tmp_path):
                       "--designs", "dmuon"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info["designs"]) == {"fsdp_adamw", "dmuon"} and info["ep"] == 8
-    assert {"step_ms", "overhead", "ns_ms", "bytes_per_rank", "exposed_ms", "collectives"} <= set(info["designs"]["dmuon"])
+    keys = {"step_ms", "overhead", "ns_ms", "bytes_per_rank", "exposed_ms", "collectives"}
+    assert keys <= set(info["designs"]["dmuon"])
     pytest.importorskip("matplotlib")
     png = tmp_path / "overhead.png"
     assert plan_main(["--simulate", "--preset", "8b", "--world-size", "64", "--replicas", "8", "--plot", str(png),

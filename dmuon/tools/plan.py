@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, shape: str | LlamaShape) -> int:
     """``--simulate``: the table (or JSON), the tokens each design needs for ``--target``, the sweep, the chart."""
-    from .simulate import MUON_DESIGNS, format_simulation, format_sweep, plot_sweep, simulate, sweep, tokens_for_overhead
+    from .simulate import (MUON_DESIGNS, format_simulation, format_sweep, plot_sweep, simulate, sweep,
+                           tokens_for_overhead)
     from .step_model import Scenario
 
     if args.per_param or args.per_rank:

@@ -24,7 +24,6 @@ The designs (:data:`DESIGNS`):
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from functools import lru_cache
 from typing import Any
@@ -135,10 +134,12 @@ def _expert_ns(sc: Scenario, sz: ModelSizes, backend: str, count: int, per_param
 
 
 def _phases(sc: Scenario, sz: ModelSizes, colls: list[dict[str, Any]], units: int) -> dict[str, float]:
+    """Forward and backward: compute plus what their collectives expose; ``step()``'s exposed collectives."""
     fwd, bwd = compute_ms(sc, sz, units)
-    return {"compute_ms": fwd + bwd, "forward_ms": fwd + exposed_ms(colls, "forward", fwd),
-            "backward_ms": bwd + exposed_ms(colls, "backward", bwd), "exposed_step_ms": exposed_ms(colls, "step", 0.0),
-            "exposed_forward_ms": exposed_ms(colls, "forward", fwd), "exposed_backward_ms": exposed_ms(colls, "backward", bwd)}
+    exp_fwd, exp_bwd = exposed_ms(colls, "forward", fwd), exposed_ms(colls, "backward", bwd)
+    return {"compute_ms": fwd + bwd, "forward_ms": fwd + exp_fwd, "backward_ms": bwd + exp_bwd,
+            "exposed_step_ms": exposed_ms(colls, "step", 0.0), "exposed_forward_ms": exp_fwd,
+            "exposed_backward_ms": exp_bwd}
 
 
 def _baseline(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:

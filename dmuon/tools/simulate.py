@@ -92,7 +92,8 @@ def sweep(sc: Scenario, worlds: tuple[int, ...] = SWEEP_WORLDS, designs: tuple[s
                 continue
             s = _mesh_at(sc, w, mesh)
             res = simulate(s, designs)
-            rows.append({"world": w, "replicas": s.replicas, "baseline_step_ms": res["designs"]["fsdp_adamw"]["step_ms"],
+            base = res["designs"]["fsdp_adamw"]["step_ms"]
+            rows.append({"world": w, "replicas": s.replicas, "baseline_step_ms": base,
                          **{d: {"overhead": res["designs"][d]["overhead"], "ns_ms": res["designs"][d]["ns_ms"],
                                 "exposed_ms": res["designs"][d]["exposed_ms"]} for d in designs}})
         out["meshes"][mesh] = rows
@@ -117,14 +118,17 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
     lines = [f"{res['preset']} on {res['world_size']} ranks ({mesh}), {res['batch']} x {res['seq']} tokens per rank, "
              f"dmuon {res['reshard'].upper()}",
              f"links: NVLink {links['nvlink_gbs']:g} GB/s, network {links['network_gbs']:g} GB/s per GPU, "
-             f"{links['gpus_per_node']} GPUs a node, hop latency {links['nvlink_hop_us']:g} / {links['network_hop_us']:g} "
-             f"us, broadcast {links['broadcast']}; {OVERLAP:.0%} of hideable comm under compute",
+             f"{links['gpus_per_node']} GPUs a node, hop latency {links['nvlink_hop_us']:g} / "
+             f"{links['network_hop_us']:g} us, broadcast {links['broadcast']}; "
+             f"{OVERLAP:.0%} of hideable comm under compute",
              "",
              f"{'design':<11} {'step ms':>9} {'vs FSDP2':>9} {'fwd+bwd':>9} {'optimizer':>9} {'NS ms':>8} "
              f"{'exposed':>8} {'GB/rank':>8}"]
     for d, r in res["designs"].items():
-        lines.append(f"{d:<11} {r['step_ms']:>9.1f} {1 + r['overhead']:>8.3f}x {r['forward_ms'] + r['backward_ms']:>9.1f} "
-                     f"{r['optimizer_ms']:>9.1f} {r['ns_ms']:>8.1f} {r['exposed_ms']:>8.1f} {_gb(r['bytes_per_rank']):>8}")
+        fwd_bwd = r["forward_ms"] + r["backward_ms"]
+        lines.append(f"{d:<11} {r['step_ms']:>9.1f} {1 + r['overhead']:>8.3f}x {fwd_bwd:>9.1f} "
+                     f"{r['optimizer_ms']:>9.1f} {r['ns_ms']:>8.1f} {r['exposed_ms']:>8.1f} "
+                     f"{_gb(r['bytes_per_rank']):>8}")
     lines.append("")
     lines.append("NS ms: the busiest rank's Newton-Schulz; exposed: communication no compute hides (the all-to-all "
                  "designs' step() all-to-alls included);\nGB/rank: what each rank sends per step, summed over its "
