@@ -192,6 +192,8 @@ def _missing(module: str, install: str) -> str | None:
         __import__(module)
     except ImportError as e:
         return f"{module} does not import ({e}): {install}"
+    except Exception as e:  # noqa: BLE001 - installed, but not for this torch: say so and run the others
+        return f"{module} is installed but fails to import: {type(e).__name__}: {e}"
     return None
 
 
@@ -356,7 +358,7 @@ def time_variant(run: Run, variant: str, warmup: int, steps: int) -> dict[str, A
         run.step(model, opt)
         run.sync()
     peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else float("nan")
-    mine = torch.tensor([statistics.median(v) for v in phases.values()] + [whole, peak], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(v) for v in phases.values()] + [whole, peak], dtype=torch.float64, device=run.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict())
