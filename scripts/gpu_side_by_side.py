@@ -31,7 +31,7 @@ A variant whose package is missing (or that needs CUDA on the CPU) is skipped wi
 1. Agreement: dmuon, dmuon again with its other 16-bit Newton-Schulz arithmetic (the noise floor), each other
    Muon variant and the control train ``--agree-steps`` steps from the same weights on the same batches;
    rank 0 compares each Muon matrix with dmuon's (relative Frobenius error) and flags what is over the
-   bf16-noise bound of [Note: agreement bound] in dmuon/tools/side_by_side.py (twice the larger of the
+   bf16-noise bound of [Note: agreement bound] in dmuon/tools/side_by_side.py (three times the larger of the
    noise floor's error on that matrix and an analytic bound).
 2. Timing: ``--rounds`` rounds, each building and timing every variant once in an order rotated by one:
    ``--warmup`` steps, ``--steps`` steps synchronised at the phase boundaries (forward, backward, optimizer:
@@ -319,10 +319,11 @@ def agreement_phase(run: Run, variants: list[str], steps: int) -> dict[str, dict
                 want[n] = w.cpu()
             else:
                 rows.append(matrix_agreement(n, init[n].to(w.device), want[n].to(w.device), w, floor.get(n, 0.0)))
-        if v == FLOOR:
-            floor = {r.name: r.error for r in rows}
         if rows:
             out[v] = summarize_agreement(rows)
+        if v == FLOOR and rows:  # the measure of the others' noise, not a variant with a verdict of its own
+            floor = {r.name: r.error for r in rows}
+            out[v] = {"floor": True, **{k: out[v][k] for k in ("error", "of_update", "matrices", "rows")}}
         _release(model, opt, run)
     return out if run.rank == 0 else {}
 

@@ -65,7 +65,7 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> tuple[
     if preset in BENCH_PRESETS:
         return build_dense(preset, device, dtype), projection_predicate
     if preset not in MOE_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESET_NAMES)}")
+        raise ValueError(f"unknown preset {preset!r}; valid names: {', '.join(PRESET_NAMES)}")
     with torch.device(device):
         model = TinyMoE(MOE_PRESETS[preset])
     torch.manual_seed(0)
@@ -203,10 +203,12 @@ class CollectiveCounter:
 # * MARGIN = 3: a bf16 variant against a bf16 dmuon (the CPU) differs by about sqrt(2) floors (two
 #   independent roundings against one; measured 1.4x to 1.7x on the tiny preset), and one pair of runs is
 #   one sample of noise that, at a few tokens a step, sits in a few directions (the worst matrix of a
-#   variant came within 0.86x of twice the floor).
+#   variant came within 0.86x of what MARGIN = 2 would allow).
 #
-# With bf16 weights, lr 0.02 and 3 steps (r ~ 0.06-0.1) the analytic part alone is about 1.2e-2 to
-# 1.5e-2; a variant that takes twice the learning rate (the control, perturbed_dmuon) is off by about r.
+# With bf16 weights, lr 0.02 and 3 steps (r ~ 0.06-0.1) the analytic part is 5.5e-3 to 7.8e-3, the tolerance
+# at least 1.7e-2 to 2.3e-2. On an H200 (llama3.2-1b, 3 steps, 4 x 512 tokens) the noise floor was 3.3% of the
+# update, DistMuon and dion came within 0.31x and 0.37x of their tolerance, and the control, which takes twice
+# the learning rate (off by about r), was 4.4x over it; on qwen3-moe-debug 0.33x, 0.44x and 3.8x.
 NS_NOISE = 3e-2
 MARGIN = 3.0
 
@@ -214,8 +216,6 @@ MARGIN = 3.0
 def analytic_bound(moved: float, dtype: torch.dtype, *, ns_noise: float = NS_NOISE) -> float:
     """``NS_NOISE r + sqrt(eps NS_NOISE r)`` of [Note: agreement bound], for a matrix of ``dtype`` whose
     reference moved ``moved = r = ||W - W_0||_F / ||W||_F``."""
-    if moved < 0 or not math.isfinite(moved):
-        raise ValueError(f"analytic_bound: moved must be a finite distance >= 0, got {moved!r}")
     eps = torch.finfo(dtype).eps
     return ns_noise * moved + math.sqrt(eps * ns_noise * moved)
 
@@ -223,8 +223,6 @@ def analytic_bound(moved: float, dtype: torch.dtype, *, ns_noise: float = NS_NOI
 def tolerance(moved: float, dtype: torch.dtype, floor: float = 0.0, *, margin: float = MARGIN) -> float:
     """The largest error that rounding explains ([Note: agreement bound]): ``margin`` times the larger of the
     measured ``floor`` and :func:`analytic_bound`."""
-    if floor < 0 or not math.isfinite(floor):
-        raise ValueError(f"tolerance: floor must be a finite error >= 0, got {floor!r}")
     return margin * max(floor, analytic_bound(moved, dtype))
 
 
