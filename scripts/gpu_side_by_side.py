@@ -267,8 +267,8 @@ def _say(*parts: Any) -> None:
         print(*parts, flush=True)
 
 
-def _release(model: nn.Module, opt: Any, run: Run) -> None:
-    del model, opt
+def _release(run: Run) -> None:
+    """After the caller dropped a build: free it (FSDP2's hooks hold cycles) before the next one."""
     gc.collect()
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -324,7 +324,8 @@ def agreement_phase(run: Run, variants: list[str], steps: int) -> dict[str, dict
         if v == FLOOR and rows:  # the measure of the others' noise, not a variant with a verdict of its own
             floor = {r.name: r.error for r in rows}
             out[v] = {"floor": True, **{k: out[v][k] for k in ("error", "of_update", "matrices", "rows")}}
-        _release(model, opt, run)
+        del model, opt
+        _release(run)
     return out if run.rank == 0 else {}
 
 
@@ -363,7 +364,8 @@ def time_variant(run: Run, variant: str, warmup: int, steps: int) -> dict[str, A
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict())
-    _release(model, opt, run)
+    del model, opt
+    _release(run)
     fwd, bwd, opt_ms, step, peak = mine.tolist()
     kinds = sorted({k for counts in per_rank for k in counts})
     return {"forward_ms": fwd, "backward_ms": bwd, "optimizer_ms": opt_ms, "step_ms": step,
