@@ -178,23 +178,20 @@ def build_dion(model: nn.Module, muon: set[str], mesh, device: torch.device) -> 
     return _Pair(opt, _adamw(rest, device))
 
 
-def _needs_cuda_and(module: str, install: str) -> Callable[[torch.device], str | None]:
+def _missing(module: str, install: str, cuda: bool = False) -> Callable[[torch.device], str | None]:
+    """A variant's ``why_not``: ``module`` does not import (or, with ``cuda``, the device is not a GPU)."""
     def why_not(device: torch.device) -> str | None:
-        if device.type != "cuda":
+        if cuda and device.type != "cuda":
             return "CUDA only (DistMuon refuses parameters on any other device)"
-        return _missing(module, install)
+        try:
+            __import__(module)
+        except ImportError as e:
+            return f"{module} does not import ({e}): {install}"
+        except Exception as e:  # noqa: BLE001 - installed, but not for this torch: say so and run the others
+            return f"{module} is installed but fails to import: {type(e).__name__}: {e}"
+        return None
 
     return why_not
-
-
-def _missing(module: str, install: str) -> str | None:
-    try:
-        __import__(module)
-    except ImportError as e:
-        return f"{module} does not import ({e}): {install}"
-    except Exception as e:  # noqa: BLE001 - installed, but not for this torch: say so and run the others
-        return f"{module} is installed but fails to import: {type(e).__name__}: {e}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -213,10 +210,9 @@ VARIANTS = {v.name: v for v in (
     Variant("fsdp_adamw", build_fsdp_adamw, muon=False),
     Variant("dmuon", build_dmuon, dmuon=True),
     Variant("torchtitan_distmuon", build_distmuon,
-            _needs_cuda_and("torchtitan.distributed.flex_shard", "pip install 'dmuon[torchtitan]'")),
+            _missing("torchtitan.distributed.flex_shard", "pip install 'dmuon[torchtitan]'", cuda=True)),
     Variant("dion_muon", build_dion,
-            lambda device: _missing("dion", "not on the package index: pip install the wheel built from "
-                                            "github.com/microsoft/dion")),
+            _missing("dion", "not on the package index: pip install the wheel built from github.com/microsoft/dion")),
     Variant("perturbed_dmuon", lambda *a: build_dmuon(*a, lr_factor=2.0), control=True, dmuon=True),
     # the agreement check's noise floor: dmuon with its other 16-bit Newton-Schulz arithmetic (torch's bf16 form
     # where dmuon's own are fp16, on a GPU; fp16 on the CPU, where its own is bf16)
@@ -240,10 +236,6 @@ class Run:
     mesh: Any
     x: torch.Tensor
     y: torch.Tensor
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
 
     def build(self, variant: str) -> tuple[nn.Module, Any, list[str]]:
         """A fresh model of the preset, wrapped and given its optimizer by ``variant``, and the names of
@@ -326,7 +318,7 @@ def agreement_phase(run: Run, variants: list[str], steps: int) -> dict[str, dict
             out[v] = {"floor": True, **{k: out[v][k] for k in ("error", "of_update", "matrices", "rows")}}
         del model, opt
         _release(run)
-    return out if run.rank == 0 else {}
+    return out if dist.get_rank() == 0 else {}
 
 
 def time_variant(run: Run, variant: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -360,7 +352,8 @@ def time_variant(run: Run, variant: str, warmup: int, steps: int) -> dict[str, A
         run.step(model, opt)
         run.sync()
     peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else float("nan")
-    mine = torch.tensor([statistics.median(v) for v in phases.values()] + [whole, peak], dtype=torch.float64, device=run.device)
+    mine = torch.tensor([statistics.median(v) for v in phases.values()] + [whole, peak], dtype=torch.float64,
+                        device=run.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, counter.as_dict())
