@@ -50,7 +50,7 @@ from .timing import median_ms
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["main", "BENCH_PRESETS"]
+__all__ = ["main", "BENCH_PRESETS", "build_model"]
 
 class _Presets(dict):
     """``BENCH_PRESETS``: keyed by the names ``python -m dmuon.plan`` uses; the old short keys (``"1b"``)
@@ -120,7 +120,9 @@ def make_mesh(device_type: str, world: int, replicate: int = 1) -> DeviceMesh:
     return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
-def _model(preset: str, device: torch.device, dtype: torch.dtype):
+def build_model(preset: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The bench's Llama-shaped model of ``preset`` on ``device`` in ``dtype``: the same weights in every
+    process and build (seed 0, initialised on ``device``); no parallelism yet."""
     from .models import TinyLlama, TinyLlamaConfig
 
     dim, inter, layers, heads, kv, vocab = BENCH_PRESETS[preset]
@@ -130,6 +132,9 @@ def _model(preset: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = TinyLlama(cfg)
     return model.to(dtype)
+
+
+_model = build_model  # the name tests/test_plan.py imports
 
 
 def _is_proj(name: str, p: nn.Parameter) -> bool:
@@ -187,7 +192,7 @@ def _build(variant: str, preset: str, device: torch.device, dtype: torch.dtype, 
 
     import dmuon
 
-    model = _model(preset, device, dtype)
+    model = build_model(preset, device, dtype)
     lr, adamw_lr = 0.02, 1e-3
     if variant == "torch_muon":
         muon = [p for n, p in model.named_parameters() if _is_proj(n, p)]
