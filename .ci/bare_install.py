@@ -4,7 +4,8 @@
 
 What a newcomer does, with nothing that the test extras would bring along:
 
-1. clone this checkout into a temporary folder under the name README.md's clone command uses;
+1. clone this checkout into a temporary folder named ``dmuon`` (what ``git clone URL`` creates, and the name
+   README.md's clone command uses);
 2. a fresh ``python -m venv`` (no system site-packages), then ``pip install torch==X -e CLONE`` with no
    extras (the torch pin read from README.md's install line);
 3. README.md's complete script saved as ``minimal.py`` *beside* the clone (not inside it) and started with
@@ -12,8 +13,9 @@ What a newcomer does, with nothing that the test extras would bring along:
 4. ``python -m dmuon.demo`` for a few steps from the same venv.
 
 So a dependency dmuon uses but does not declare (numpy was one: torch's object collectives need it and
-torch does not declare it) fails here, and so does a clone folder that shadows the package (a folder named
-``dmuon`` beside the script is imported as an empty namespace package instead of the installed dmuon).
+torch does not declare it) fails here, and so does a clone folder that shadows the package: with the package
+at the checkout's top, a folder named ``dmuon`` beside the script was imported as an empty namespace package
+instead of the installed dmuon; the ``src/`` layout is what lets the clone keep that name.
 The clone is of the committed tree (HEAD); uncommitted changes are not in it. Uses only the standard
 library, so it runs before anything is installed. Exit code 0 on success.
 """
@@ -31,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the clone's folder: the package's own name, the one that shadowed it before the src/ layout
+CLONE_NAME = "dmuon"
 
 
 def _block(text: str, kind: str) -> str:
@@ -55,17 +59,20 @@ def main() -> int:
     t_start = time.perf_counter()
     readme = README.read_text(encoding="utf-8")
     demo = _block(readme, "demo")
-    clone = re.search(r'git clone "\$DMUON_REPO" (\S+)', demo)
+    clone = re.search(r'git clone "\$DMUON_REPO" (\S+) && cd (\S+)', demo)
     torch_pin = re.search(r"torch==[\w.+]+", demo)
     launch = re.search(r"^torchrun (--standalone --nproc_per_node 2 minimal\.py)", readme, re.M)
     if not (clone and torch_pin and launch):
         sys.exit("bare_install: README.md lost its clone line, its torch pin or its torchrun line for minimal.py")
+    if clone.group(1) != CLONE_NAME or clone.group(2) != CLONE_NAME:
+        sys.exit(f"bare_install: README.md clones into {clone.group(1)!r}; this check clones into {CLONE_NAME!r}, "
+                 "the name a plain `git clone` gives")
 
     tmp = Path(tempfile.mkdtemp(prefix="dmuon_bare_"))
     try:
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PIP_USER")}
-        src = tmp / clone.group(1)
+        src = tmp / CLONE_NAME
         _run(["git", "clone", "-q", str(ROOT), str(src)], tmp, env, f"git clone into {src.name}/", 120)
         venv = tmp / "venv"
         _run([sys.executable, "-m", "venv", str(venv)], tmp, env, "python -m venv (clean)", 120)

@@ -38,7 +38,7 @@ except ImportError as e:  # an extra this example needs; say which, not just Mod
 try:
     import dmuon
 except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
 from dmuon.tools.verdict import loss_fell

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 try:
     import dmuon
 except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
     import dmuon
 from dmuon.tools.launch import main_or_spawn
 from dmuon.tools.verdict import loss_fell

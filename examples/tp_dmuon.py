@@ -28,10 +28,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout
-import dmuon  # noqa: E402
-from dmuon.tools.launch import main_or_spawn  # noqa: E402
-from dmuon.tools.verdict import loss_fell  # noqa: E402
+try:
+    import dmuon
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+    import dmuon
+from dmuon.tools.launch import main_or_spawn
+from dmuon.tools.verdict import loss_fell
 
 TP, VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH_PER_DP, STEPS = 2, 64, 64, 256, 2, 32, 8, 12
 

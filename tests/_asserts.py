@@ -62,7 +62,7 @@ def child_env(**extra: str) -> dict[str, str]:
     ranks share the cores), the checkout importable without an install, and CPU/gloo even on a GPU machine
     (two ranks on one GPU fail)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._docs_stand_ins, and dmuon itself
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._docs_stand_ins
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # and dmuon itself
 
 from tests import _docs_stand_ins  # noqa: E402
 

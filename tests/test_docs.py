@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "dmuon"
+SOURCE = ROOT / "src" / "dmuon"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 REFERENCE = ROOT / "docs" / "reference"
 HOLE = "…"  # what a quote (and a rendered message template) shows where the message inserts a value

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "dmuon"
+SRC = ROOT / "src"  # the src/ layout: module names are relative to it
+PKG = SRC / "dmuon"
 #: ``python -m dmuon.X`` keeps its short name through these; each only forwards to dmuon.tools.X.
 ENTRY_POINTS = {"dmuon.demo", "dmuon.bench", "dmuon.plan"}
 MAX_MODULE_LINES = 600
@@ -27,7 +28,7 @@ MAX_FUNCTION_LINES = 80
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -161,9 +162,9 @@ def test_readme_layout_table_matches_the_tree():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`(dmuon/[\w/]*(?:\.py)?)`", section))
-    files = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}
+    files = {str(p.relative_to(SRC)) for p in PKG.rglob("*.py")}
     missing = sorted(f for f in files
                      if f not in named and not any(n.endswith("/") and f.startswith(n) for n in named))
-    stale = sorted(n for n in named if not (ROOT / n).exists())
+    stale = sorted(n for n in named if not (SRC / n).exists())
     assert not missing, f"README's Layout table does not name {missing}"
     assert not stale, f"README's Layout table names paths that do not exist: {stale}"

@@ -55,14 +55,16 @@ def test_every_marked_kind_is_there_once() -> None:
     assert "git clone" in demo and "python -m dmuon.demo" in demo and "torch==2.13.0" in demo, demo
 
 
-def test_the_clone_does_not_shadow_the_package() -> None:
-    """A clone folder named ``dmuon`` beside a script is imported as an empty namespace package in place of
-    the installed dmuon (``module 'dmuon' has no attribute 'dedicate_params'``): the README clones into
-    another name. (``.ci/bare_install.py`` runs the script from beside the clone to prove it.)"""
+def test_the_clone_keeps_the_package_name() -> None:
+    """A clone folder named ``dmuon`` beside a script used to be imported as an empty namespace package in place
+    of the installed dmuon (``module 'dmuon' has no attribute 'dedicate_params'``), so README cloned into
+    ``dmuon-src``. The package now sits in ``src/dmuon``: README clones under the package's own name, and
+    ``.ci/bare_install.py`` clones into that name and runs the script from beside the clone to prove it."""
     demo = runnable_blocks()["demo"][1]
     clone = re.search(r'git clone "\$DMUON_REPO" (\S+) && cd (\S+)', demo)
-    assert clone and clone.group(1) == clone.group(2), demo
-    assert clone.group(1) != "dmuon", demo
+    assert clone and clone.group(1) == clone.group(2) == "dmuon", demo
+    assert (ROOT / "src" / "dmuon" / "__init__.py").is_file()
+    assert 'CLONE_NAME = "dmuon"' in (ROOT / ".ci" / "bare_install.py").read_text()
 
 
 def test_ci_installs_the_bare_package_and_runs_the_readme_script() -> None:
