@@ -42,6 +42,15 @@ def _read_weights(directory: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model weights ({SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or an index) in {directory!r}")
 
 
+def load_file(path: str) -> object:
+    """``torch.load`` of a checkpoint file onto the CPU (tensors and plain containers only); an unreadable file
+    (cut short, overwritten) raises an error that names it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"cannot read {path!r} ({type(e).__name__}: {e})") from e
+
+
 def _fill_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the keys ``save_pretrained`` dropped because they alias another (tied embeddings)."""
     aliases: dict[int, list[str]] = {}

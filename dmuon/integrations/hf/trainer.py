@@ -23,7 +23,8 @@ from ... import checkpoint as _ckpt
 from ...runtime.hooks import STATE_ATTR
 from ...clip import clip_grad_norm_ as _dmuon_clip_grad_norm_
 from ...optim import Muon
-from ._files import OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights, refuse_torn, save_replacing
+from ._files import (OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights, load_file, refuse_torn,
+                     save_replacing)
 from ._model import dmuon_model_of
 from ._ranks import _barrier, _from_rank0, _rank0_only
 
@@ -233,10 +234,10 @@ def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) ->
 
     def read() -> dict[str, Any]:
         return {"model": _fill_tied(root, _read_weights(weights)) if weights is not None else {},
-                "optim": torch.load(opt_file, map_location="cpu", weights_only=True) if load_opt else {}}
+                "optim": load_file(opt_file) if load_opt else {}}
 
     parts = _rank0_only(read, {"model": {}, "optim": {}})  # every file read (or every rank raises) ...
-    sched = _from_rank0(lambda: torch.load(sched_file, map_location="cpu", weights_only=True)) if has_sched else None
+    sched = _from_rank0(lambda: load_file(sched_file)) if has_sched else None
     sched = sched if trainer.lr_scheduler is not None else None
     lrs = _check_schedule(opt, sched, sched_file) if sched is not None else None
     if weights is not None and load_opt:  # ... then weights and optimizer checked together, then written
