@@ -10,7 +10,8 @@ An uninterrupted 6-step run saves ``checkpoint-3``; from copies of it:
 * ``train(resume_optimizer_state=False)`` resumes from the torn save on purpose: the checkpoint's weights and
   schedule (every group's lr), fresh optimizer state, the next loss equal to the uninterrupted run's;
 * the complete checkpoint still resumes bit-identical to the uninterrupted run, into the very model,
-  optimizer and scheduler the refused attempts left behind.
+  optimizer and scheduler the refused attempts left behind;
+* (one process) which sets of files are torn, and the schedule the opt-in takes its learning rates from.
 
 Each rank runs in its own process (``run_distributed``), so a crash or a hang fails the test, not the suite.
 """
@@ -233,3 +234,23 @@ def test_complete_checkpoint_resumes_bit_identical_after_refusals(runs: tuple[Pa
         assert full["final"].keys() == g["final"].keys()
         for k, v in full["final"].items():
             assert torch.equal(v, g["final"][k]), (rank, k)
+
+
+def test_which_checkpoints_are_torn_and_which_schedules_give_learning_rates() -> None:
+    import types
+
+    from dmuon.integrations.hf._files import refuse_torn
+    from dmuon.integrations.hf.trainer import _schedule_lrs, _t_train
+
+    for has_optimizer, has_scheduler in ((True, True), (False, False)):  # complete, and save_only_model's form
+        refuse_torn("ckpt", has_optimizer=has_optimizer, has_scheduler=has_scheduler, optimizer_state=True)
+    with pytest.raises(ValueError, match="has optimizer.pt but no scheduler.pt .*restart the learning-rate schedule"):
+        refuse_torn("ckpt", has_optimizer=True, has_scheduler=False, optimizer_state=True)
+    refuse_torn("ckpt", has_optimizer=False, has_scheduler=True, optimizer_state=False)  # the opt-in
+    opt = types.SimpleNamespace(param_groups=[{"lr": 1.0}, {"lr": 2.0}])
+    assert _schedule_lrs(opt, {"_last_lr": [0.5, 0.25]}, "scheduler.pt") == [0.5, 0.25]
+    for bad in ({"_last_lr": [0.5]}, {"last_epoch": 3}, [0.5, 0.25]):
+        with pytest.raises(ValueError, match="over this optimizer's 2 param groups"):
+            _schedule_lrs(opt, bad, "scheduler.pt")
+    with pytest.raises(TypeError, match="takes True or False, got 'no'"):
+        _t_train(types.SimpleNamespace(), resume_optimizer_state="no")  # refused before the Trainer is touched

@@ -228,9 +228,9 @@ def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) ->
     weights = resume.weights if resume is not None else None
     if weights is not None:
         logger.info("dmuon: loading model weights from %s", weights)
-    if not (load_opt or has_sched):
-        logger.warning("dmuon: %s has no %s or %s (a save_only_model checkpoint): resuming with fresh optimizer "
-                       "state and schedule", checkpoint, OPTIMIZER_NAME, SCHEDULER_NAME)
+    if not (has_opt or has_sched):
+        logger.warning("dmuon: %s has no %s or %s (a save_only_model checkpoint): resuming the weights only, with "
+                       "fresh optimizer state and schedule", checkpoint, OPTIMIZER_NAME, SCHEDULER_NAME)
 
     def read() -> dict[str, Any]:
         return {"model": _fill_tied(root, _read_weights(weights)) if weights is not None else {},
@@ -239,7 +239,7 @@ def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) ->
     parts = _rank0_only(read, {"model": {}, "optim": {}})  # every file read (or every rank raises) ...
     sched = _from_rank0(lambda: load_file(sched_file)) if has_sched else None
     sched = sched if trainer.lr_scheduler is not None else None
-    lrs = _check_schedule(opt, sched, sched_file) if sched is not None else None
+    lrs = _schedule_lrs(opt, sched, sched_file) if sched is not None and not load_opt else None
     if weights is not None and load_opt:  # ... then weights and optimizer checked together, then written
         _ckpt.set_state_dict(root, opt, parts)
     elif weights is not None:
@@ -248,14 +248,15 @@ def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) ->
         _ckpt.set_optimizer_state_dict(root, opt, parts["optim"])  # collective; restores each group's lr too
     if sched is not None:
         trainer.lr_scheduler.load_state_dict(sched)
-    for group, lr in zip(opt.param_groups, lrs if not load_opt and lrs else ()):
-        group["lr"] = lr  # no optimizer dict: each group's lr from the schedule
+    for group, lr in zip(opt.param_groups, lrs or ()):  # no optimizer dict: each group's lr from the schedule
+        group["lr"] = lr
     return None
 
 
-def _check_schedule(opt: Muon, sched: Any, path: str) -> list[float]:
-    """The learning rates of the checkpoint's schedule, one per param group, checked before anything is written
-    (the dict came from rank 0, so every rank reaches the same verdict)."""
+def _schedule_lrs(opt: Muon, sched: Any, path: str) -> list[float]:
+    """The learning rates of the checkpoint's schedule, one per param group, for a resume without the optimizer
+    dict (which would carry them). Checked before anything is written; the dict came from rank 0, so every rank
+    reaches the same verdict."""
     lrs = sched.get("_last_lr") if isinstance(sched, Mapping) else None
     if not isinstance(lrs, list) or len(lrs) != len(opt.param_groups):
         raise ValueError(
