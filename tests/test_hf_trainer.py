@@ -33,83 +33,18 @@ pytest.importorskip("safetensors")
 
 from tests._asserts import torchrun  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
+from tests._hf import ADAMW_LR, MUON_LR, WORLD, Tokens, build, llama_config, rank_env, training_args  # noqa: E402
 
 TIMEOUT_S = 180
-WORLD = 2
-VOCAB, SEQ = 64, 16
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MUON_LR, ADAMW_LR = 0.02, 1e-3
 
 
 # --------------------------------------------------------------------------------------------------- #
-# Helpers run inside the ranks                                                                         #
+# Jobs run inside the ranks (the builders are in tests/_hf.py)                                         #
 # --------------------------------------------------------------------------------------------------- #
-def _config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-
-
-class _Tokens(torch.utils.data.Dataset):
-    """Fixed random sequences; every sample has SEQ tokens, so per-batch token counts are equal."""
-
-    def __init__(self, n: int) -> None:
-        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-def _rank_env(rank: int, world: int) -> None:
-    # What torchrun would set; Accelerate reads them (and with use_cpu=True sees a MULTI_CPU job).
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-
-
-def _groups(model: nn.Module) -> list[dict[str, Any]]:
-    """Per-group settings for the resume job: no decay on norms, the embedding's own lr, a second Muon lr."""
-    import dmuon
-
-    return [
-        {"name": "no_decay", "params": [n for n, p in model.named_parameters() if p.ndim < 2], "weight_decay": 0.0},
-        {"name": "embed", "params": ["model.embed_tokens.weight"], "lr": 3e-3, "weight_decay": 0.0},
-        {"name": "attn", "params": [n for n in dmuon.get_dedicated_params(model) if "self_attn" in n], "lr": 0.01},
-    ]
-
-
-def _build(seed: int, shard_root: bool, groups: bool = False) -> tuple[nn.Module, Any]:
-    import dmuon
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
-
-    mesh = init_device_mesh("cpu", (WORLD,))
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(_config())
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2 and any(k in n for k in PROJ))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    if shard_root:
-        fully_shard(model, mesh=mesh)
-    return model, dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, param_groups=_groups(model) if groups else None)
-
-
-def _args(output_dir: str, **kw: Any) -> Any:
-    from transformers import TrainingArguments
-
-    base = dict(output_dir=output_dir, per_device_train_batch_size=2, fsdp="", use_cpu=True, report_to="none",
-                logging_steps=1, disable_tqdm=True)
-    base.update(kw)
-    return TrainingArguments(**base)
-
-
 def _clip_and_schedule_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
     """Plain Trainer, default max_grad_norm, 2-step accumulation, layers sharded but not the root (so
     embeddings / final norm / lm_head are plain params that dmuon.Muon averages)."""
-    _rank_env(rank, world)
+    rank_env(rank, world)
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback
@@ -119,8 +54,8 @@ def _clip_and_schedule_job(rank: int, world: int, outdir: str) -> dict[str, Any]
 
     accum, steps = 2, 3
     torch.manual_seed(0)
-    oracle = LlamaForCausalLM(_config())  # the same init as the dmuon model below
-    model, optimizer = _build(seed=0, shard_root=False)
+    oracle = LlamaForCausalLM(llama_config())  # the same init as the dmuon model below
+    model, optimizer = build(seed=0, shard_root=False)
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -149,9 +84,9 @@ def _clip_and_schedule_job(rank: int, world: int, outdir: str) -> dict[str, Any]
                 self.norms.append(float(logs["grad_norm"]))
 
     record = Record()
-    trainer = Trainer(model=model, args=_args(outdir, gradient_accumulation_steps=accum, max_steps=steps,
-                                              save_strategy="no"),
-                      train_dataset=_Tokens(64), optimizers=(optimizer, None), callbacks=[record])
+    trainer = Trainer(model=model, args=training_args(outdir, gradient_accumulation_steps=accum, max_steps=steps,
+                                                      save_strategy="no"),
+                      train_dataset=Tokens(64), optimizers=(optimizer, None), callbacks=[record])
     trainer.train()
     handle.remove()
 
@@ -177,7 +112,7 @@ def _resume_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
     """DMuonTrainer with param groups: an uninterrupted 8-step run saving at 4 and 8, which sets the
     attention group's momentum to 0.9 after step 2; then a fresh model (built with the constructor's 0.95)
     resumed from 4."""
-    _rank_env(rank, world)
+    rank_env(rank, world)
     from transformers import TrainerCallback
 
     import dmuon
@@ -198,10 +133,10 @@ def _resume_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
                         g["momentum"] = EDITED_MOMENTUM
 
     def run(seed: int, output_dir: str, resume: str | None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-        model, optimizer = _build(seed=seed, shard_root=True, groups=True)
+        model, optimizer = build(seed=seed, shard_root=True, groups=True)
         losses = Losses()
-        trainer = DMuonTrainer(model=model, args=_args(output_dir, max_steps=8, save_steps=4),
-                               train_dataset=_Tokens(64), optimizers=(optimizer, None), callbacks=[losses])
+        trainer = DMuonTrainer(model=model, args=training_args(output_dir, max_steps=8, save_steps=4),
+                               train_dataset=Tokens(64), optimizers=(optimizer, None), callbacks=[losses])
         trainer.train(resume_from_checkpoint=resume)
         hyper.append([{k: v for k, v in g.items() if k not in ("params", "param_names")}
                       for g in optimizer.param_groups])

@@ -61,9 +61,13 @@ What Trainer / Accelerate do to such a model, and what this package does about i
   (collective, drains async work) and the writer ranks write: ``config.json`` + safetensors via
   ``save_pretrained`` (a plain ``AutoModelForCausalLM.from_pretrained(dir)`` loads it on one process),
   ``optimizer.pt`` (dmuon's FQN-keyed dict: any world size can resume from it) and ``scheduler.pt``.
-  Resuming (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``): rank 0
-  reads the files and :func:`dmuon.set_model_state_dict` / :func:`dmuon.set_optimizer_state_dict`
-  scatter them. ``Trainer._save`` without a gathered state dict raises instead of crashing.
+  Resuming (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``): Trainer loads the weights and
+  the optimizer at two hooks; the first only **notes** the checkpoint, the second has rank 0 read every file,
+  checks weights and optimizer dict together (:func:`dmuon.set_state_dict`: every rank agrees, or nothing
+  changes) and then writes model, optimizer and scheduler. A checkpoint with only one of ``optimizer.pt``
+  and ``scheduler.pt`` is **refused**; ``train(..., resume_optimizer_state=False)`` resumes on purpose without
+  optimizer state. ``_load_best_model`` loads the weights with :func:`dmuon.set_model_state_dict`.
+  ``Trainer._save`` without a gathered state dict raises instead of crashing.
 * A ``callbacks`` ``on_save`` hook cannot fix saving: it runs after the files are written.
 
 Accelerate, a plain loop (``examples/accelerate_dmuon.py``)::
@@ -230,9 +234,22 @@ class DMuonTrainer(Trainer):
     def _uses_dmuon(self) -> bool:
         return dmuon_model_of(getattr(self, "model", None)) is not None
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: Any, resume_optimizer_state: bool = True, **kwargs: Any) -> Any:
+        """``Trainer.train``. Resuming (``resume_from_checkpoint=...``) checks the weights, ``optimizer.pt`` and
+        ``scheduler.pt`` together before writing any of them, and refuses a checkpoint with only one of the two
+        files. ``resume_optimizer_state=False`` resumes on purpose without optimizer state: the weights and
+        the schedule (its learning rates too), with fresh Muon momentum and AdamW moments.
+
+        Example::
+
+            trainer.train(resume_from_checkpoint=True)                 # the last checkpoint in output_dir
+            trainer.train(resume_from_checkpoint="out/checkpoint-500", resume_optimizer_state=False)
+        """
         if self._uses_dmuon():
-            return _t_train(self, *args, **kwargs)
+            return _t_train(self, *args, resume_optimizer_state=resume_optimizer_state, **kwargs)
+        if resume_optimizer_state is not True:
+            raise TypeError("dmuon: train(resume_optimizer_state=...) applies to models prepared by "
+                            "dmuon.dedicate_params; this model is not one, so drop the argument.")
         return super().train(*args, **kwargs)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""The files of a Trainer checkpoint: their names, and the weights of a ``save_pretrained`` directory."""
+"""The files of a Trainer checkpoint: their names, the weights of a ``save_pretrained`` directory, and which
+sets of files make a checkpoint that can be resumed."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ def _read_weights(directory: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model weights ({SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or an index) in {directory!r}")
 
 
+def load_file(path: str) -> object:
+    """``torch.load`` of a checkpoint file onto the CPU (tensors and plain containers only); an unreadable file
+    (cut short, overwritten) raises an error that names it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"cannot read {path!r} ({type(e).__name__}: {e})") from e
+
+
 def _fill_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the keys ``save_pretrained`` dropped because they alias another (tied embeddings)."""
     aliases: dict[int, list[str]] = {}
@@ -60,3 +70,20 @@ def save_replacing(obj: object, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def refuse_torn(directory: str, *, has_optimizer: bool, has_scheduler: bool, optimizer_state: bool) -> None:
+    """Raise where a checkpoint holds one of ``optimizer.pt`` and ``scheduler.pt`` without the other and the
+    optimizer state is to be resumed: a torn or partly copied save, which Trainer would resume with Muon's
+    momentum and AdamW's moments (or the schedule) started afresh. Call it with rank 0's findings on every
+    rank, before anything is loaded, so every rank raises together and nothing changes."""
+    if not optimizer_state or has_optimizer == has_scheduler:
+        return
+    present, absent = (OPTIMIZER_NAME, SCHEDULER_NAME) if has_optimizer else (SCHEDULER_NAME, OPTIMIZER_NAME)
+    lost = "the learning-rate schedule" if has_optimizer else "Muon's momentum and AdamW's moments"
+    raise ValueError(
+        f"dmuon: the checkpoint {directory!r} has {present} but no {absent} (a torn or partly copied save); "
+        f"resuming from it would restart {lost} from scratch. Nothing was changed. Resume from a complete "
+        "checkpoint, or, to resume without optimizer state on purpose (the weights, and the schedule where "
+        f"{SCHEDULER_NAME} is there), call trainer.train(resume_from_checkpoint=..., resume_optimizer_state=False)."
+    )

@@ -7,10 +7,11 @@ package docstring says what each one changes and why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from ... import checkpoint as _ckpt
 from ...runtime.hooks import STATE_ATTR
 from ...clip import clip_grad_norm_ as _dmuon_clip_grad_norm_
 from ...optim import Muon
-from ._files import OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights, save_replacing
+from ._files import (OPTIMIZER_NAME, SCHEDULER_NAME, _fill_tied, _read_weights, load_file, refuse_torn,
+                     save_replacing)
 from ._model import dmuon_model_of
 from ._ranks import _barrier, _from_rank0, _rank0_only
 
@@ -71,14 +73,45 @@ def _original(name: str) -> Callable[..., Any]:
     return _TRAINER_ORIGINALS[name]
 
 
-def _t_train(trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+@dataclasses.dataclass
+class _Resume:
+    """What ``train`` was asked to resume, held between Trainer's two loading hooks ([Note: one resume])."""
+
+    optimizer_state: bool  # train(resume_optimizer_state=...)
+    weights: str | None = None  # the checkpoint whose weights _load_from_checkpoint left to the second hook
+
+
+# [Note: one resume]
+# Trainer resumes in two hooks: ``train`` calls ``_load_from_checkpoint`` (the weights) before it builds the
+# scheduler, and ``_load_optimizer_and_scheduler`` after. Loading the weights at the first hook would leave
+# them written when the optimizer file is then refused (corrupt, from another save) or missing. So the first
+# hook only notes the checkpoint, and the second reads every file on rank 0, checks the weights and the
+# optimizer dict together (``dmuon.set_state_dict``: every rank agrees on the verdict) and only then writes
+# the model, the optimizer and the scheduler. Nothing between the hooks reads the weights: FSDP2 and dmuon
+# placed the tensors already, so Accelerate's prepare neither moves nor wraps them.
+
+
+def _t_train(trainer: Trainer, *args: Any, resume_optimizer_state: bool = True, **kwargs: Any) -> Any:
     """Before ``train`` runs: keep the ``dmuon.Muon`` the Trainer was given (its DeepSpeed set-up drops
-    ``optimizers=`` and asks ``create_optimizer`` again) and install the DeepSpeed glue if it will be needed."""
+    ``optimizers=`` and asks ``create_optimizer`` again), install the DeepSpeed glue if it will be needed, and
+    note how to resume ([Note: one resume]). ``resume_optimizer_state=False``: resume the weights and the
+    schedule with fresh optimizer state, on purpose."""
+    if not isinstance(resume_optimizer_state, bool):
+        raise TypeError(f"dmuon: train(resume_optimizer_state=...) takes True or False, got {resume_optimizer_state!r}")
     if isinstance(trainer.optimizer, Muon):
         trainer._dmuon_optimizer = trainer.optimizer
     if _deepspeed(trainer):
+        if not resume_optimizer_state:
+            raise ValueError(
+                "dmuon: train(resume_optimizer_state=False) is not supported with a DeepSpeed config: DeepSpeed's "
+                "engine loads the optimizer together with the model. Drop the argument."
+            )
         from .. import deepspeed  # noqa: F401  (importing installs the glue before deepspeed.initialize)
-    return _original("train")(trainer, *args, **kwargs)
+    trainer._dmuon_resume = _Resume(optimizer_state=resume_optimizer_state)
+    try:
+        return _original("train")(trainer, *args, **kwargs)
+    finally:
+        trainer._dmuon_resume = None
 
 
 def _t_create_optimizer(trainer: Trainer, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -163,37 +196,82 @@ def _t_save_optimizer_and_scheduler(trainer: Trainer, output_dir: str) -> None:
 def _t_load_from_checkpoint(trainer: Trainer, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
     if _deepspeed(trainer):  # engine.load_checkpoint, through dmuon's model state-dict setter
         return _original("_load_from_checkpoint")(trainer, resume_from_checkpoint, model)
+    resume = getattr(trainer, "_dmuon_resume", None)
+    if resume is not None and resume.weights is None:  # train() resuming: written at the next hook, once checked
+        resume.weights = resume_from_checkpoint
+        return None
+    _load_weights(trainer, resume_from_checkpoint, model)
+
+
+def _load_weights(trainer: Trainer, directory: str, model: nn.Module | None = None) -> None:
     root = _root_for(trainer, model)
-    logger.info("dmuon: loading model weights from %s", resume_from_checkpoint)
-    sd = _rank0_only(lambda: _fill_tied(root, _read_weights(resume_from_checkpoint)), {})
+    logger.info("dmuon: loading model weights from %s", directory)
+    sd = _rank0_only(lambda: _fill_tied(root, _read_weights(directory)), {})
     _ckpt.set_model_state_dict(root, sd)  # collective; validates keys/shapes first
 
 
 def _t_load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) -> None:
+    """Resume the optimizer and the scheduler, and the weights ``_load_from_checkpoint`` left for this hook: all
+    read, then checked together, then written ([Note: one resume])."""
     if _deepspeed(trainer):  # the engine loaded the optimizer with the model; Trainer reads its scheduler file
         return _original("_load_optimizer_and_scheduler")(trainer, checkpoint)
+    resume, trainer._dmuon_resume = getattr(trainer, "_dmuon_resume", None), None
     if checkpoint is None:
-        return
+        return None
     root = _root_for(trainer, None)
     opt = _muon_of(trainer, root)
-    opt_file = os.path.join(checkpoint, OPTIMIZER_NAME)
-    sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
-    # Like Trainer: both files or nothing (``save_only_model`` checkpoints have neither).
-    present = _from_rank0(lambda: os.path.isfile(opt_file) and os.path.isfile(sched_file))
-    if not present:
-        return
-    osd = _rank0_only(lambda: torch.load(opt_file, map_location="cpu", weights_only=True), {})
-    _ckpt.set_optimizer_state_dict(root, opt, osd)  # collective; restores each group's lr too
-    sched = _from_rank0(lambda: torch.load(sched_file, map_location="cpu", weights_only=True))
-    if trainer.lr_scheduler is not None:
+    opt_file, sched_file = (os.path.join(checkpoint, n) for n in (OPTIMIZER_NAME, SCHEDULER_NAME))
+    has_opt, has_sched = _from_rank0(lambda: (os.path.isfile(opt_file), os.path.isfile(sched_file)))
+    optimizer_state = resume is None or resume.optimizer_state
+    refuse_torn(checkpoint, has_optimizer=has_opt, has_scheduler=has_sched, optimizer_state=optimizer_state)
+    load_opt = optimizer_state and has_opt
+    weights = resume.weights if resume is not None else None
+    if weights is not None:
+        logger.info("dmuon: loading model weights from %s", weights)
+    if not (has_opt or has_sched):
+        logger.warning("dmuon: %s has no %s or %s (a save_only_model checkpoint): resuming the weights only, with "
+                       "fresh optimizer state and schedule", checkpoint, OPTIMIZER_NAME, SCHEDULER_NAME)
+
+    def read() -> dict[str, Any]:
+        return {"model": _fill_tied(root, _read_weights(weights)) if weights is not None else {},
+                "optim": load_file(opt_file) if load_opt else {}}
+
+    parts = _rank0_only(read, {"model": {}, "optim": {}})  # every file read (or every rank raises) ...
+    sched = _from_rank0(lambda: load_file(sched_file)) if has_sched else None
+    sched = sched if trainer.lr_scheduler is not None else None
+    lrs = _schedule_lrs(opt, sched, sched_file) if sched is not None and not load_opt else None
+    if weights is not None and load_opt:  # ... then weights and optimizer checked together, then written
+        _ckpt.set_state_dict(root, opt, parts)
+    elif weights is not None:
+        _ckpt.set_model_state_dict(root, parts["model"])
+    elif load_opt:
+        _ckpt.set_optimizer_state_dict(root, opt, parts["optim"])  # collective; restores each group's lr too
+    if sched is not None:
         trainer.lr_scheduler.load_state_dict(sched)
+    for group, lr in zip(opt.param_groups, lrs or ()):  # no optimizer dict: each group's lr from the schedule
+        group["lr"] = lr
+    return None
+
+
+def _schedule_lrs(opt: Muon, sched: Any, path: str) -> list[float]:
+    """The learning rates of the checkpoint's schedule, one per param group, for a resume without the optimizer
+    dict (which would carry them). Checked before anything is written; the dict came from rank 0, so every rank
+    reaches the same verdict."""
+    lrs = sched.get("_last_lr") if isinstance(sched, Mapping) else None
+    if not isinstance(lrs, list) or len(lrs) != len(opt.param_groups):
+        raise ValueError(
+            f"dmuon: {path} is not the state of a learning-rate scheduler over this optimizer's "
+            f"{len(opt.param_groups)} param groups, so its learning rates cannot be resumed; nothing was changed. "
+            "Resume from a checkpoint this training job saved."
+        )
+    return [float(lr) for lr in lrs]
 
 
 def _t_load_best_model(trainer: Trainer) -> None:
     if _deepspeed(trainer):
         return _original("_load_best_model")(trainer)
     logger.info("dmuon: loading the best model from %s", trainer.state.best_model_checkpoint)
-    _t_load_from_checkpoint(trainer, trainer.state.best_model_checkpoint)
+    _load_weights(trainer, trainer.state.best_model_checkpoint)
 
 
 _TRAINER_IMPLS: dict[str, Callable[..., Any]] = {
