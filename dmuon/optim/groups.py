@@ -214,8 +214,8 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
     return algorithm
 
 
-def _empty(where: str, spec: Mapping[str, Any], name: str | None, model: _Model) -> str:
-    """The error for a group whose ``params`` name nothing: the model's names nearest the group's ``name``
+def _nearest(spec: Mapping[str, Any], name: str | None, model: _Model) -> str:
+    """For a group whose ``params`` name nothing: the model's names nearest the group's ``name``
     (by a segment of the FQN), else a few of the names of the kind the group asks for (dedicated matrices
     for a Muon group, the others for an AdamW group, any trainable param otherwise)."""
     said = spec.get("algorithm"), spec.get("use_muon")
@@ -239,10 +239,7 @@ def _empty(where: str, spec: Mapping[str, Any], name: str | None, model: _Model)
         for n in names:
             first.setdefault(re.sub(r"\.\d+\.", ".N.", n), n)
         picks = list(first.values())[:5]
-    return (f"{where}: 'params' names no parameter, so this group would hold nothing and its params would train "
-            f"with the defaults, silently. The model's {said}: {', '.join(map(repr, picks)) or 'none'}. Check "
-            "the filter that built the list, or pass dmuon.Muon(..., allow_empty_groups=True) to keep an empty "
-            "group on purpose (a group list shared between models).")
+    return f"The model's {said}: {', '.join(map(repr, picks)) or 'none'}"
 
 
 def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, *, dedicated: Iterable[str],
@@ -283,7 +280,10 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
             owner_of[fqn] = f"param group {i} ({name!r})"
             fqns.append(fqn)
         if not fqns and not allow_empty:
-            raise ValueError(_empty(where, spec, name if "name" in spec else None, m))
+            raise ValueError(f"{where}: 'params' names no parameter, so this group would hold nothing and its params "
+                             f"would train with the defaults, silently. {_nearest(spec, name if 'name' in spec else None, m)}. "
+                             "Check the filter that built the list, or pass dmuon.Muon(..., allow_empty_groups=True) to "
+                             "keep an empty group on purpose (a group list shared between models).")
         algorithm = _algorithm(spec, fqns, m, where, muon_defaults.ALGORITHM)
         hp = _hparams(spec, algorithm, adamw_defaults.group_entries() if algorithm == ADAMW else
                       (muon_values if muon_values is not None else muon_defaults.group_entries()), where)
