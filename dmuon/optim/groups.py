@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .. import engines
 from ..runtime.precision import check_float_dtype
 from .rules import ADAMW, RULES, Algorithm, muon_record
 from .update import AdamWHParams, MuonHParams
@@ -328,11 +329,28 @@ def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned
 _ABSENT = "(none)"
 
 
-def check_settings(values: Mapping[str, Any], settings: Mapping[str, Any]
-                   ) -> tuple[MuonHParams, AdamWHParams, dict[str, object]]:
-    """``dmuon.Muon``'s own checks, local: ``values`` (every Muon-family value, whichever algorithm the groups
-    take) and ``settings`` (``algorithm``, ``adamw_*``, ``master_dtype``). Returns the default Muon and AdamW
-    records and what every rank must agree on (:func:`settings_view`)."""
+def check_settings(model: nn.Module, values: Mapping[str, Any], settings: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``dmuon.Muon``'s own checks, local: the model's dmuon state, and what :func:`_records` returned (the
+    default records and the view to agree on) or raised. A bad value is for the caller to raise in its gather,
+    so that every rank raises; here only where the model was never dedicated (no gather possible, and the
+    value is the error to show)."""
+    try:
+        checked: Any = _records(values, settings)
+    except (TypeError, ValueError) as e:
+        checked = e
+    try:
+        return engines.state_of(model), checked
+    except ValueError:
+        if isinstance(checked, Exception):
+            raise checked from None
+        raise
+
+
+def _records(values: Mapping[str, Any], settings: Mapping[str, Any]
+             ) -> tuple[MuonHParams, AdamWHParams, dict[str, object]]:
+    """``values`` (every Muon-family value, checked whichever algorithm the groups take) and ``settings``
+    (``algorithm``, ``adamw_*``, ``master_dtype``): the default Muon and AdamW records and what every rank
+    must agree on (:func:`settings_view`)."""
     every = muon_record(Algorithm.NORMUON.value, values)  # NorMuon's record holds every Muon-family key
     muon_hp = muon_record(settings["algorithm"], values)
     adamw_hp = AdamWHParams(**{k: settings[f"adamw_{k}"] for k in AdamWHParams.names()})

@@ -215,8 +215,8 @@ class Muon(torch.optim.Optimizer):
                       rms_target=rms_target)
         settings = dict(algorithm=algorithm, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         adamw_weight_decay=adamw_weight_decay, adamw_foreach=adamw_foreach, adamw_fused=adamw_fused,
-                        master_dtype=master_dtype, qk_clip=qk_clip)
-        state = engines.state_of(model)
+                        master_dtype=master_dtype)
+        state, checked = check_settings(model, values, settings)  # raised in _resolve's gather
         engines.activate_glue()  # deepspeed imported since dedicate_params: deepspeed.initialize must know us
         engine = engines.of(model)  # build-time engine detection; bound once the build passed
         model = state.model
@@ -224,7 +224,7 @@ class Muon(torch.optim.Optimizer):
         self._muon_values, self._allow_empty_groups = values, allow_empty_groups
         # every setting checked and agreed on with the groups, in one gather ([Note: settings agreement])
         resolved, clipped = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True,
-                                          settings=settings)
+                                          checked=checked, qk_clip=qk_clip)
         #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
         self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, clipped, state.ctx)
         state.bind_if_needed()
@@ -258,9 +258,9 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------------ #
     def _resolve(self, model: nn.Module, state: DMuonState, specs: Sequence[Mapping[str, Any]] | None, *,
                  taken: Sequence[str], first_index: int, with_defaults: bool,
-                 settings: Mapping[str, Any] | None = None) -> tuple[list[ResolvedGroup], list[Any]]:
-        """Resolve user groups (and the defaults), after the constructor's ``settings`` and QK-clip's layout
-        (constructor only); every rank compares its answer, its error and every setting that changes the
+                 checked: Any = None, qk_clip: Any = None) -> tuple[list[ResolvedGroup], list[Any]]:
+        """Resolve user groups (and the defaults), after the constructor's settings (``checked``: what
+        ``check_settings`` returned or raised) and QK-clip's layout (constructor only); every rank compares its answer, its error and every setting that changes the
         update with the others' ([Note: settings agreement] in ``groups.py``), so a setting that differs
         between ranks, or fails on one, raises on all of them. Unconditional: whether a rank passed
         ``param_groups`` is one of the things that may differ, and a gather that only some ranks entered
@@ -269,11 +269,13 @@ class Muon(torch.optim.Optimizer):
         resolved: list[ResolvedGroup] = []
         clipped: list[Any] = []
         try:
-            if settings is not None:  # checked here, so that a rank refusing one still reaches the gather
-                self._muon_defaults, self._adamw_defaults, view = check_settings(self._muon_values, settings)
+            if checked is not None:  # raised here, so that a rank refusing a setting still reaches the gather
+                if isinstance(checked, Exception):
+                    raise checked
+                self._muon_defaults, self._adamw_defaults, view = checked
                 stage = "dmuon.QKClip"
-                clipped = [] if settings["qk_clip"] is None else clip_layout(settings["qk_clip"], model, state)
-                view.update(agreement_view(settings["qk_clip"], clipped))
+                clipped = [] if qk_clip is None else clip_layout(qk_clip, model, state)
+                view.update(agreement_view(qk_clip, clipped))
             stage = "dmuon.Muon: param_groups"
             resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON) + _names(state, Route.MUON_SHARDED),
                                       owner_adamw=_names(state, Route.ADAMW_OWNER),
@@ -288,7 +290,7 @@ class Muon(torch.optim.Optimizer):
                                                 view))
         if error is not None:
             raise error
-        agree(views, "dmuon.Muon" if settings is not None else "dmuon.Muon.add_param_group")  # type: ignore[arg-type]
+        agree(views, "dmuon.Muon" if checked is not None else "dmuon.Muon.add_param_group")  # type: ignore[arg-type]
         return resolved, clipped
 
     def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]
