@@ -55,6 +55,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import engines
+from ..runtime.hooks import DMuonState
 from ..runtime.precision import check_float_dtype
 from .rules import ADAMW, RULES, Algorithm, muon_record
 from .update import AdamWHParams, MuonHParams
@@ -219,9 +220,9 @@ def _nearest(spec: Mapping[str, Any], name: str | None, model: _Model) -> str:
     """For a group whose ``params`` name nothing: the model's names nearest the group's ``name``
     (by a segment of the FQN), else a few of the names of the kind the group asks for (dedicated matrices
     for a Muon group, the others for an AdamW group, any trainable param otherwise)."""
-    said = spec.get("algorithm"), spec.get("use_muon")
-    wants = (None if said == (None, None) else
-             said[1] is not False and str(said[0]).lower() != ADAMW)  # the group's kind, if it says one
+    algorithm, use_muon = spec.get("algorithm"), spec.get("use_muon")
+    wants = (None if algorithm is None and use_muon is None else  # the group's kind, if it says one
+             use_muon is not False and str(algorithm).lower() != ADAMW)
     names = [n for n in model.order if model.by_name[n].requires_grad and
              (wants is None or (n in model.dedicated) == wants)]
     picks: list[str] = []
@@ -281,10 +282,11 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
             owner_of[fqn] = f"param group {i} ({name!r})"
             fqns.append(fqn)
         if not fqns and not allow_empty:
+            nearest = _nearest(spec, name if "name" in spec else None, m)
             raise ValueError(f"{where}: 'params' names no parameter, so this group would hold nothing and its params "
-                             f"would train with the defaults, silently. {_nearest(spec, name if 'name' in spec else None, m)}. "
-                             "Check the filter that built the list, or pass dmuon.Muon(..., allow_empty_groups=True) to "
-                             "keep an empty group on purpose (a group list shared between models).")
+                             f"would train with the defaults, silently. {nearest}. Check the filter that built the "
+                             "list, or pass dmuon.Muon(..., allow_empty_groups=True) to keep an empty group on purpose "
+                             "(a group list shared between models).")
         algorithm = _algorithm(spec, fqns, m, where, muon_defaults.ALGORITHM)
         hp = _hparams(spec, algorithm, adamw_defaults.group_entries() if algorithm == ADAMW else
                       (muon_values if muon_values is not None else muon_defaults.group_entries()), where)
@@ -329,7 +331,8 @@ def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned
 _ABSENT = "(none)"
 
 
-def check_settings(model: nn.Module, values: Mapping[str, Any], settings: Mapping[str, Any]) -> tuple[Any, Any]:
+def check_settings(model: nn.Module, values: Mapping[str, Any], settings: Mapping[str, Any]
+                   ) -> tuple[DMuonState, tuple[MuonHParams, AdamWHParams, dict[str, object]] | Exception]:
     """``dmuon.Muon``'s own checks, local: the model's dmuon state, and what :func:`_records` returned (the
     default records and the view to agree on) or raised. A bad value is for the caller to raise in its gather,
     so that every rank raises; here only where the model was never dedicated (no gather possible, and the

@@ -260,9 +260,10 @@ class Muon(torch.optim.Optimizer):
                  taken: Sequence[str], first_index: int, with_defaults: bool,
                  checked: Any = None, qk_clip: Any = None) -> tuple[list[ResolvedGroup], list[Any]]:
         """Resolve user groups (and the defaults), after the constructor's settings (``checked``: what
-        ``check_settings`` returned or raised) and QK-clip's layout (constructor only); every rank compares its answer, its error and every setting that changes the
-        update with the others' ([Note: settings agreement] in ``groups.py``), so a setting that differs
-        between ranks, or fails on one, raises on all of them. Unconditional: whether a rank passed
+        ``check_settings`` returned or raised) and QK-clip's layout (constructor only); every rank compares
+        its answer, its error and every setting that changes the update with the others' ([Note: settings
+        agreement] in ``groups.py``), so a setting that differs between ranks, or fails on one, raises on all
+        of them. Unconditional: whether a rank passed
         ``param_groups`` is one of the things that may differ, and a gather that only some ranks entered
         would hang the others. Returns the groups and QK-clip's attentions."""
         stage, error, view = "dmuon.Muon", None, {}
