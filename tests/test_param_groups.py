@@ -398,8 +398,9 @@ def test_a_group_list_bad_on_one_rank_or_different_between_ranks_raises_everywhe
     assert "no parameter named 'norm.wieght'" in misuse[1]["errors"]["rank1_only"]
     assert "param_groups refused on rank 1" in misuse[0]["errors"]["rank1_only"]
     for res in misuse:
-        assert "resolved param_groups differently" in res["errors"]["ranks_differ"]
-        assert "resolved param_groups differently" in res["errors"]["groups_on_rank0_only"]
+        assert "the ranks disagree on param group 'group0': lr: rank 0: 0.01; rank 1: 0.02" in res["errors"]["ranks_differ"]
+        assert ("the ranks disagree on param group names: rank 0: ['group0', 'default_muon', 'default_adamw']; "
+                "rank 1: ['default_muon', 'default_adamw']") in res["errors"]["groups_on_rank0_only"]
 
 
 def test_nothing_changed_and_a_good_optimizer_still_builds(misuse):

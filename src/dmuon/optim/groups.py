@@ -24,11 +24,28 @@ every internal group carrying the user group's ``name``; then come the default g
 (``muon``, ``adamw``, ``adamw_replicated``). The layout is decided from the global picture (every
 dedicated FQN, not only the owned ones), so it is the same on every rank, and checkpoints match groups
 by index and FQN.
+
+[Note: settings agreement] Every matrix is updated once, on its owner, for every rank; plain params are
+updated by every rank on its own copy. So a setting that changes the update and differs between ranks
+raises nothing by itself: each owner applies its own value and the job trains on as a mixture (QK-clip's
+``tau=100`` on rank 0 and ``8`` on rank 1 clipped each owner's heads by its own tau). ``dmuon.Muon``'s
+build therefore puts every such setting into the one gather it runs anyway for the param groups
+(:func:`settings_view`, QK-clip's ``agreement_view``, :func:`groups_view`): the constructor's Muon-family
+and AdamW values (normalised as the records hold them, so ``adjust_lr_fn=None`` and ``"original"`` agree),
+``algorithm``, ``master_dtype``, AdamW's ``foreach`` / ``fused`` kernels (a replicated plain param is
+stepped on every rank, and kernels round differently), QK-clip's ``tau`` and ``alpha`` and the head
+layouts it resolved, then each group's name, params, algorithm and values. :func:`agree` raises on every
+rank, naming the first setting that differs and each rank's value, before anything is built;
+``add_param_group`` compares its group the same way. Not compared: ``replicate_async`` (results are the
+same either way) and QK-clip's ``log``. Nothing is compared per step: a scheduler changes ``lr`` by the
+same rule from the same state on every rank; a per-step gather would tax every step for the one case it
+could catch (a loop that edits a group on some ranks only).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +54,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .. import engines
+from ..runtime.hooks import DMuonState
+from ..runtime.precision import check_float_dtype
 from .rules import ADAMW, RULES, Algorithm, muon_record
 from .update import AdamWHParams, MuonHParams
 
-__all__ = ["ResolvedGroup", "resolve_groups", "canonical_name", "DEFAULT_GROUP_NAMES"]
+__all__ = ["ResolvedGroup", "resolve_groups", "canonical_name", "DEFAULT_GROUP_NAMES", "check_settings",
+           "settings_view", "groups_view", "agree"]
 
 #: The ``name`` of the groups that take whatever no user group names.
 DEFAULT_GROUP_NAMES = {True: "default_muon", False: "default_adamw"}
@@ -157,7 +178,7 @@ def _said_algorithm(spec: Mapping[str, Any], where: str) -> str | None:
     value = spec["algorithm"]
     if isinstance(value, str) and value.lower() == ADAMW:
         return ADAMW
-    return Algorithm.parse(value, where).value
+    return Algorithm.parse(value, where, adamw_ok=True).value
 
 
 def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, where: str, default: str) -> str:
@@ -195,16 +216,46 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
     return algorithm
 
 
+def _nearest(spec: Mapping[str, Any], name: str | None, model: _Model) -> str:
+    """For a group whose ``params`` name nothing: the model's names nearest the group's ``name``
+    (by a segment of the FQN), else a few of the names of the kind the group asks for (dedicated matrices
+    for a Muon group, the others for an AdamW group, any trainable param otherwise)."""
+    algorithm, use_muon = spec.get("algorithm"), spec.get("use_muon")
+    wants = (None if algorithm is None and use_muon is None else  # the group's kind, if it says one
+             use_muon is not False and str(algorithm).lower() != ADAMW)
+    names = [n for n in model.order if model.by_name[n].requires_grad and
+             (wants is None or (n in model.dedicated) == wants)]
+    picks: list[str] = []
+    if name:  # the segments of the FQNs that say something (not 'layers' or 'weight', in most of them)
+        count: dict[str, int] = {}
+        for n in names:
+            for seg in set(n.split(".")):
+                count[seg] = count.get(seg, 0) + 1
+        segments = [seg for seg, k in count.items() if not seg.isdigit() and 2 * k <= len(names)]
+        for seg in difflib.get_close_matches(name, segments, n=3, cutoff=0.6):
+            picks.append(next(n for n in names if seg in n.split(".")))
+    kind = {None: "trainable params", True: "dedicated matrices", False: "non-dedicated params"}[wants]
+    said = f"names nearest {name!r}" if picks else f"{kind} include"
+    if not picks:  # the first name of each pattern (layer numbers aside)
+        first: dict[str, str] = {}
+        for n in names:
+            first.setdefault(re.sub(r"\.\d+\.", ".N.", n), n)
+        picks = list(first.values())[:5]
+    return f"The model's {said}: {', '.join(map(repr, picks)) or 'none'}"
+
+
 def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, *, dedicated: Iterable[str],
                    owner_adamw: Iterable[str] = (), muon_defaults: MuonHParams, adamw_defaults: AdamWHParams,
                    taken: Iterable[str] = (), first_index: int = 0, with_defaults: bool = True,
-                   muon_values: Mapping[str, Any] | None = None) -> list[ResolvedGroup]:
+                   muon_values: Mapping[str, Any] | None = None, allow_empty: bool = False
+                   ) -> list[ResolvedGroup]:
     """Resolve and check user groups; append the default groups (``with_defaults``) for every trainable
     param no group names. ``dedicated``: the FQNs on Muon, ``owner_adamw``: the dedicated ones an owner
     steps with AdamW. ``taken``: FQNs that earlier groups already hold, ``first_index``: the number
     of the first group in errors and default names (both for ``add_param_group``). ``muon_defaults``: the
     record of the default algorithm; ``muon_values``: the constructor's values of every Muon-family key
     (a group of another algorithm takes its defaults from there; default: ``muon_defaults``').
+    ``allow_empty``: accept a group whose ``params`` name nothing (else it raises, naming the nearest names).
     Deterministic: every rank that passes the same groups gets the same answer, or the same error."""
     m = _Model(model, dedicated, owner_adamw)
     if specs is None:
@@ -230,6 +281,12 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
                                  "group only")
             owner_of[fqn] = f"param group {i} ({name!r})"
             fqns.append(fqn)
+        if not fqns and not allow_empty:
+            nearest = _nearest(spec, name if "name" in spec else None, m)
+            raise ValueError(f"{where}: 'params' names no parameter, so this group would hold nothing and its params "
+                             f"would train with the defaults, silently. {nearest}. Check the filter that built the "
+                             "list, or pass dmuon.Muon(..., allow_empty_groups=True) to keep an empty group on purpose "
+                             "(a group list shared between models).")
         algorithm = _algorithm(spec, fqns, m, where, muon_defaults.ALGORITHM)
         hp = _hparams(spec, algorithm, adamw_defaults.group_entries() if algorithm == ADAMW else
                       (muon_values if muon_values is not None else muon_defaults.group_entries()), where)
@@ -265,3 +322,110 @@ def torch_groups(group: ResolvedGroup, params: Mapping[str, nn.Parameter], owned
     if everyone:
         out.append(entry("adamw_owned", [n for n in everyone if n in owned], everyone))
     return out
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Settings every rank must share ([Note: settings agreement])                                          #
+# --------------------------------------------------------------------------------------------------- #
+#: a label's value on a rank that has no such setting (another group list, QK-clip off)
+_ABSENT = "(none)"
+
+
+def check_settings(model: nn.Module, values: Mapping[str, Any], settings: Mapping[str, Any]
+                   ) -> tuple[DMuonState, tuple[MuonHParams, AdamWHParams, dict[str, object]] | Exception]:
+    """``dmuon.Muon``'s own checks, local: the model's dmuon state, and what :func:`_records` returned (the
+    default records and the view to agree on) or raised. A bad value is for the caller to raise in its gather,
+    so that every rank raises; here only where the model was never dedicated (no gather possible, and the
+    value is the error to show)."""
+    try:
+        checked: Any = _records(values, settings)
+    except (TypeError, ValueError) as e:
+        checked = e
+    try:
+        return engines.state_of(model), checked
+    except ValueError:
+        if isinstance(checked, Exception):
+            raise checked from None
+        raise
+
+
+def _records(values: Mapping[str, Any], settings: Mapping[str, Any]
+             ) -> tuple[MuonHParams, AdamWHParams, dict[str, object]]:
+    """``values`` (every Muon-family value, checked whichever algorithm the groups take) and ``settings``
+    (``algorithm``, ``adamw_*``, ``master_dtype``): the default Muon and AdamW records and what every rank
+    must agree on (:func:`settings_view`)."""
+    every = muon_record(Algorithm.NORMUON.value, values)  # NorMuon's record holds every Muon-family key
+    muon_hp = muon_record(settings["algorithm"], values)
+    adamw_hp = AdamWHParams(**{k: settings[f"adamw_{k}"] for k in AdamWHParams.names()})
+    check_float_dtype("dmuon.Muon: master_dtype", settings["master_dtype"])
+    return muon_hp, adamw_hp, settings_view(every, muon_hp, adamw_hp, settings)
+
+
+def settings_view(every: MuonHParams, muon: MuonHParams, adamw: AdamWHParams, settings: Mapping[str, Any]
+                  ) -> dict[str, object]:
+    """The constructor's settings that change the update, by keyword, as the records hold them (normalised)."""
+    view: dict[str, object] = {k: repr(v) for k, v in every.group_entries().items() if k != "algorithm"}
+    view["algorithm"] = repr(muon.ALGORITHM)
+    view.update({f"adamw_{k}": repr(v) for k, v in adamw.group_entries().items()})
+    view.update({k: repr(settings[k]) for k in ("adamw_foreach", "adamw_fused", "master_dtype")})
+    return view
+
+
+def groups_view(groups: Sequence[ResolvedGroup]) -> dict[str, object]:
+    """Each resolved group's name, params (global FQNs) and values, by group."""
+    view: dict[str, object] = {"param group names": repr([g.name for g in groups])}
+    for g in groups:
+        view[f"param group {g.name!r}: params"] = g.fqns
+        view.update({f"param group {g.name!r}: {k}": repr(v) for k, v in g.entries().items() if k != "name"})
+    return view
+
+
+def _show(value: object, common: int) -> str:
+    """One rank's value; a long one from a little before ``common``, where the ranks' values start to differ."""
+    if isinstance(value, tuple):  # a group's params
+        return repr(list(value)) if len(value) <= 3 else f"{len(value)} params ({value[0]!r}, ...)"
+    text = str(value)
+    if len(text) <= 120:
+        return text
+    start = max(0, common - 40)
+    return f"{'...' if start else ''}{text[start:start + 120]}{'...' if start + 120 < len(text) else ''}"
+
+
+def _fix(label: str, where: str) -> str:
+    if label.startswith("qk_clip heads"):
+        return ("the same model on every rank (its attention's head attributes), or the same "
+                "dmuon.QKClip(heads=[...])")
+    if label.startswith("qk_clip"):
+        return "the same dmuon.QKClip(...)"
+    if label.startswith("param group"):
+        return ("the same param groups (build them from names and shapes, nothing that depends on the rank)"
+                if where == "dmuon.Muon" else "the same group")
+    return f"the same dmuon.Muon(..., {label}=...)"
+
+
+def agree(views: Sequence[tuple[str, str | None, Mapping[str, object]]], where: str) -> None:
+    """Raise on every rank where any rank refused (``views[r]``: the stage that refused and its error, or
+    ``None``, and its view) or the ranks' views differ ([Note: settings agreement]). Pure: the caller
+    gathers ``views``."""
+    for rank, (stage, err, _) in enumerate(views):
+        if err is not None:
+            raise ValueError(f"{stage} refused on rank {rank}: {err}")
+    for label in dict.fromkeys(k for _, _, view in views for k in view):
+        values = [view.get(label, _ABSENT) for _, _, view in views]
+        if all(v == values[0] for v in values):
+            continue
+        texts = [str(v) for v in values]
+        common = next((i for i, chars in enumerate(zip(*texts)) if len(set(chars)) > 1), min(map(len, texts)))
+        by_value: dict[str, list[int]] = {}
+        for rank, v in enumerate(values):
+            by_value.setdefault(_show(v, common), []).append(rank)
+        shown = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items())
+        if all(isinstance(v, tuple) for v in values):  # which param makes the difference
+            name = next(n for v in values for n in v if not all(n in w for w in values))  # type: ignore[union-attr]
+            shown += f" ({name!r} only on rank{'s' if sum(name in v for v in values) > 1 else ''} " \
+                     f"{', '.join(str(r) for r, v in enumerate(values) if name in v)})"  # type: ignore[operator]
+        raise ValueError(
+            f"{where}: the ranks disagree on {label}: {shown}. Each matrix is updated once, on its owner, for every "
+            f"rank, so a setting that changes the update must be the same everywhere: pass {_fix(label, where)} "
+            "on every rank. Nothing was built or changed."
+        )

@@ -32,14 +32,13 @@ from .. import engines
 from ..runtime import comm as C
 from ..runtime.hooks import DMuonState
 from ..runtime.param import DedicatedParam, local
-from ..runtime.precision import check_float_dtype, is_wider
+from ..runtime.precision import is_wider
 from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
 from . import sharded as engine_muon
-from .groups import ResolvedGroup, canonical_name, resolve_groups, torch_groups
-from .qk_clip import QKClip, QKClipper
-from .rules import hparams_of, muon_record, rule_of
-from .update import AdamWHParams
+from .groups import ResolvedGroup, agree, canonical_name, check_settings, groups_view, resolve_groups, torch_groups
+from .qk_clip import QKClip, QKClipper, agreement_view, clip_layout
+from .rules import hparams_of, rule_of
 
 __all__ = ["Muon"]
 
@@ -129,7 +128,9 @@ class Muon(torch.optim.Optimizer):
             ``lr``, ``betas``, ``eps``, ``weight_decay``. Unset ones take this constructor's values
             (``adamw_*`` for AdamW groups). Params no group names take the defaults. A param in two groups,
             a dedicated matrix in an AdamW group, a non-dedicated or non-2-D param in a Muon group, an
-            unknown key or FQN raise ``ValueError`` on every rank before anything is built. Example::
+            unknown key or FQN, a group whose ``params`` name nothing raise ``ValueError`` on every rank before
+            anything is built. Every setting here and in the groups that changes the update must be the same on
+            every rank (one gather at build compares them; nothing per step). Example::
 
                 no_decay = [n for n, p in model.named_parameters() if p.ndim < 2]  # norms, biases
                 optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, param_groups=[
@@ -138,6 +139,9 @@ class Muon(torch.optim.Optimizer):
                     {"params": [n for n in dmuon.get_dedicated_params(model) if "mlp" in n], "lr": 0.01},
                 ])
 
+        allow_empty_groups: accept a param group whose ``params`` name nothing (default False: it raises,
+            naming the model's nearest names, since a filter that matched nothing would leave its params on
+            the defaults without a word); for a group list shared between models.
         master_dtype: e.g. ``torch.float32`` for a bf16 model: each owner keeps a master copy in this
             dtype of every owned dedicated param that is narrower (optimizer state ``"master"``, made from
             the param at its first step, like ``momentum_buffer``), runs momentum (kept in this dtype),
@@ -198,6 +202,7 @@ class Muon(torch.optim.Optimizer):
         master_dtype: torch.dtype | None = None,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         qk_clip: QKClip | None = None,
+        allow_empty_groups: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -208,20 +213,20 @@ class Muon(torch.optim.Optimizer):
                       eps=eps, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn, ns_backend=ns_backend,
                       cautious_weight_decay=cautious_weight_decay, beta2=beta2, normuon_eps=normuon_eps,
                       rms_target=rms_target)
-        muon_record("normuon", values)  # every value checked, whichever algorithm the groups take
-        muon_hp = muon_record(algorithm, values)
-        adamw_hp = AdamWHParams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
-        check_float_dtype("dmuon.Muon: master_dtype", master_dtype)
-
-        state = engines.state_of(model)
+        settings = dict(algorithm=algorithm, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                        adamw_weight_decay=adamw_weight_decay, adamw_foreach=adamw_foreach, adamw_fused=adamw_fused,
+                        master_dtype=master_dtype)
+        state, checked = check_settings(model, values, settings)  # raised in _resolve's gather
         engines.activate_glue()  # deepspeed imported since dedicate_params: deepspeed.initialize must know us
         engine = engines.of(model)  # build-time engine detection; bound once the build passed
         model = state.model
         engine.check_optimizer()
-        self._muon_defaults, self._adamw_defaults, self._muon_values = muon_hp, adamw_hp, values
-        resolved = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True)
+        self._muon_values, self._allow_empty_groups = values, allow_empty_groups
+        # every setting checked and agreed on with the groups, in one gather ([Note: settings agreement])
+        resolved, clipped = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True,
+                                          checked=checked, qk_clip=qk_clip)
         #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
-        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, model, state)
+        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, clipped, state.ctx)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
         self._check_sharded([g for g, _ in internal], state)
@@ -229,7 +234,7 @@ class Muon(torch.optim.Optimizer):
         # torch's AdamW fills its defaults into these very dicts; sharing them lets schedulers that edit
         # our param_groups drive AdamW too.
         self._adamw = torch.optim.AdamW(adamw_groups, foreach=adamw_foreach, fused=adamw_fused,
-                                        **adamw_hp.group_entries())
+                                        **self._adamw_defaults.group_entries())
         self._dmuon_state: DMuonState = state
         self.replicate_async = bool(replicate_async)
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
@@ -252,33 +257,42 @@ class Muon(torch.optim.Optimizer):
     # Param groups ([Note: group layout] in dmuon/optim/groups.py)         #
     # ------------------------------------------------------------------ #
     def _resolve(self, model: nn.Module, state: DMuonState, specs: Sequence[Mapping[str, Any]] | None, *,
-                 taken: Sequence[str], first_index: int, with_defaults: bool) -> list[ResolvedGroup]:
-        """Resolve user groups (and the defaults); every rank compares its answer (or its error) with the
-        others', so a group list or a setting that differs between ranks, or fails on one, raises on all
-        of them. Unconditional: whether a rank passed ``param_groups`` is one of the things that may differ,
-        and a gather that only some ranks entered would hang the others."""
-        error: BaseException | None = None
+                 taken: Sequence[str], first_index: int, with_defaults: bool,
+                 checked: Any = None, qk_clip: Any = None) -> tuple[list[ResolvedGroup], list[Any]]:
+        """Resolve user groups (and the defaults), after the constructor's settings (``checked``: what
+        ``check_settings`` returned or raised) and QK-clip's layout (constructor only); every rank compares
+        its answer, its error and every setting that changes the update with the others' ([Note: settings
+        agreement] in ``groups.py``), so a setting that differs between ranks, or fails on one, raises on all
+        of them. Unconditional: whether a rank passed
+        ``param_groups`` is one of the things that may differ, and a gather that only some ranks entered
+        would hang the others. Returns the groups and QK-clip's attentions."""
+        stage, error, view = "dmuon.Muon", None, {}
         resolved: list[ResolvedGroup] = []
+        clipped: list[Any] = []
         try:
+            if checked is not None:  # raised here, so that a rank refusing a setting still reaches the gather
+                if isinstance(checked, Exception):
+                    raise checked
+                self._muon_defaults, self._adamw_defaults, view = checked
+                stage = "dmuon.QKClip"
+                clipped = [] if qk_clip is None else clip_layout(qk_clip, model, state)
+                view.update(agreement_view(qk_clip, clipped))
+            stage = "dmuon.Muon: param_groups"
             resolved = resolve_groups(model, specs, dedicated=_names(state, Route.MUON) + _names(state, Route.MUON_SHARDED),
                                       owner_adamw=_names(state, Route.ADAMW_OWNER),
                                       muon_defaults=self._muon_defaults, adamw_defaults=self._adamw_defaults,
-                                      muon_values=self._muon_values,
+                                      muon_values=self._muon_values, allow_empty=self._allow_empty_groups,
                                       taken=taken, first_index=first_index, with_defaults=with_defaults)
+            view.update(groups_view(resolved))
         except Exception as e:  # noqa: BLE001 - any local failure must reach the gather, or the peers wait in it
             error = e
         # over every rank of the job: under TP, an error on one tp index's ranks stops the others too
-        views = C.all_gather_object(state.ctx, (None if error is None else f"{type(error).__name__}: {error}",
-                                                repr(resolved)))
+        views = C.all_gather_object(state.ctx, (stage, None if error is None else f"{type(error).__name__}: {error}",
+                                                view))
         if error is not None:
             raise error
-        for rank, (err, fingerprint) in enumerate(views):
-            if err is not None:
-                raise ValueError(f"dmuon.Muon: param_groups refused on rank {rank}: {err}")
-            if fingerprint != views[0][1]:
-                raise ValueError(f"dmuon.Muon: ranks 0 and {rank} resolved param_groups differently (the groups or "
-                                 "the constructor's settings); pass the same on every rank")
-        return resolved
+        agree(views, "dmuon.Muon" if checked is not None else "dmuon.Muon.add_param_group")  # type: ignore[arg-type]
+        return resolved, clipped
 
     def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]
                       ) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
@@ -338,8 +352,8 @@ class Muon(torch.optim.Optimizer):
             return
         state = self._dmuon_state
         taken = [n for names in self._group_fqns for n in names]
-        (group,) = self._resolve(state.model, state, [param_group], taken=taken,
-                                 first_index=len(self.param_groups), with_defaults=False)
+        (group,), _ = self._resolve(state.model, state, [param_group], taken=taken,
+                                    first_index=len(self.param_groups), with_defaults=False)
         internal = self._torch_groups(state.model, state, [group])
         self._check_sharded([g for g, _ in internal], state)
         for g, names in internal:

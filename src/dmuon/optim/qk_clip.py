@@ -41,7 +41,8 @@ from ..runtime import comm as C
 from ..runtime.param import DedicatedParam, local
 from ..runtime.route import Route
 
-__all__ = ["QKClip", "QKHeads", "QKClipStats", "QKClipper", "RECORD_ATTR", "find_heads"]
+__all__ = ["QKClip", "QKHeads", "QKClipStats", "QKClipper", "RECORD_ATTR", "find_heads", "clip_layout",
+           "agreement_view"]
 
 #: The attribute an attention module keeps its running per-head maxima in, until ``step()`` reads them.
 RECORD_ATTR = "_dmuon_max_logits"
@@ -233,8 +234,9 @@ class _Attention:
 
 class QKClipper:
     """QK-clip bound to one model and optimizer (``Muon.qk_clip``): :meth:`gather` at the start of ``step()``,
-    :meth:`apply_` after the updates; :attr:`stats` of the last step. Built collectively: a layout one rank
-    cannot resolve raises on every rank. ``dmuon.Muon`` builds and drives it.
+    :meth:`apply_` after the updates; :attr:`stats` of the last step. ``dmuon.Muon`` builds it from the layout
+    :func:`clip_layout` resolved, once every rank agreed on it ([Note: settings agreement] in ``groups.py``),
+    and drives it.
 
     Example::
 
@@ -242,23 +244,9 @@ class QKClipper:
         print(optimizer.qk_clip.config.tau, optimizer.qk_clip.stats.heads)
     """
 
-    def __init__(self, config: QKClip, model: nn.Module, state: Any) -> None:
-        if not isinstance(config, QKClip):
-            raise TypeError(f"dmuon.Muon: qk_clip must be a dmuon.QKClip or None, got {type(config).__name__}")
-        self.config, self._ctx = config, state.ctx
-        error: ValueError | None = None
-        attentions: list[_Attention] = []
-        try:
-            attentions = _resolve(config, model, state)
-        except ValueError as e:  # every rank must reach the gather below, or the others wait in it
-            error = e
-        views = C.all_gather_object(state.ctx, None if error is None else str(error))
-        if error is not None:
-            raise error
-        for rank, other in enumerate(views):
-            if other is not None:
-                raise ValueError(f"dmuon.QKClip refused on rank {rank}: {other}")
-        self._attentions: list[_Attention] = attentions
+    def __init__(self, config: QKClip, attentions: Sequence[_Attention], ctx: Any) -> None:
+        self.config, self._ctx = config, ctx
+        self._attentions: list[_Attention] = list(attentions)
         self.stats = QKClipStats(heads=sum(a.heads.n_heads for a in attentions))
 
     def gather(self) -> Tensor:
@@ -325,6 +313,26 @@ def _scale_rows_(dp: DedicatedParam, starts: Sequence[int], factors: dict[int, f
             t[starts[i]:starts[i] + head_dim].mul_(f)
     if t is not local(dp.bound()):
         dp.write_back(t)
+
+
+def clip_layout(config: object, model: nn.Module, state: Any) -> list[_Attention]:
+    """Local, changes nothing: every attention ``config`` clips, with its dedicated query and key matrices;
+    ``TypeError`` / ``ValueError`` for what cannot be clipped. ``dmuon.Muon`` gathers the verdict and
+    :func:`agreement_view` of every rank before it builds the :class:`QKClipper`."""
+    if not isinstance(config, QKClip):
+        raise TypeError(f"dmuon.Muon: qk_clip must be a dmuon.QKClip or None, got {type(config).__name__}")
+    return _resolve(config, model, state)
+
+
+def agreement_view(config: QKClip | None, attentions: Sequence[_Attention]) -> dict[str, object]:
+    """What every rank must agree on of QK-clip: on or off, ``tau``, ``alpha`` and each attention's head layout
+    (``log`` only decides a log line on rank 0)."""
+    if config is None:
+        return {"qk_clip": "None"}
+    view: dict[str, object] = {"qk_clip": "dmuon.QKClip", "qk_clip.tau": repr(float(config.tau)),
+                               "qk_clip.alpha": repr(float(config.alpha))}
+    view.update({f"qk_clip heads of {a.heads.module!r}": repr(a.heads) for a in attentions})
+    return view
 
 
 def _resolve(config: QKClip, model: nn.Module, state: Any) -> list[_Attention]:

@@ -52,19 +52,31 @@ class Algorithm(enum.Enum):
     NORMUON = "normuon"
 
     @classmethod
-    def parse(cls, value: object, where: str = "dmuon.Muon") -> Algorithm:
-        """An algorithm from its name (or itself); ``ValueError`` naming the closest names otherwise."""
+    def parse(cls, value: object, where: str = "dmuon.Muon", *, adamw_ok: bool = False) -> Algorithm:
+        """An algorithm from its name (or itself); ``ValueError`` naming the closest names otherwise.
+        ``adamw_ok``: the caller (a param group's ``algorithm``) takes ``"adamw"`` itself, so it may be
+        suggested; elsewhere (``dmuon.Muon(algorithm=...)``, the rule of the dedicated matrices) an AdamW-like
+        name is told where AdamW is chosen instead."""
         if isinstance(value, cls):
             return value
-        names = [a.value for a in cls] + [ADAMW]
+        names = [a.value for a in cls]
         if isinstance(value, str):
             for a in cls:
                 if value.lower() == a.value:
                     return a
-        close = difflib.get_close_matches(str(value).lower(), names, n=2, cutoff=0.5)
+        text = str(value).lower()
+        if not adamw_ok and difflib.get_close_matches(text, [ADAMW], n=1, cutoff=0.6):
+            raise ValueError(
+                f"{where}: algorithm={value!r} is not a Muon algorithm: it chooses the update of the dedicated "
+                f"matrices, one of {names}. AdamW already trains every param that is not dedicated (set it with "
+                "adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, or a param group {'params': [...], "
+                "'use_muon': False} of its own); to train a matrix with AdamW, leave it out of "
+                "dmuon.dedicate_params(predicate=...), or route it 'adamw_owner' there."
+            )
+        close = difflib.get_close_matches(text, names + ([ADAMW] if adamw_ok else []), n=2, cutoff=0.5)
         hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise ValueError(f"{where}: unknown algorithm {value!r}; Muon params take {[a.value for a in cls]} "
-                         f"(and {ADAMW!r} for the others).{hint}")
+        others = f" (and {ADAMW!r} for the others)" if adamw_ok else ""
+        raise ValueError(f"{where}: unknown algorithm {value!r}; Muon params take {names}{others}.{hint}")
 
 
 @dataclass(frozen=True, slots=True)
