@@ -73,6 +73,14 @@ def quiet_closed_stdout() -> None:
     spawned rank starts a fresh interpreter, so the parent's call does not reach it). The run then ends as
     it would have, files and exit code included (0 on success), like ``python -m dmuon.plan | head``.
     Calling it twice is harmless.
+
+    Example::
+
+        def main() -> int:
+            quiet_closed_stdout()  # `python -m mytool | head -3` now ends like a run nobody piped
+            for step in range(100):
+                print(f"step {step}")  # after head has left: dropped, no BrokenPipeError
+            return 0
     """
     if sys.stdout is not None and not isinstance(sys.stdout, _ClosedReaderSafe):
         sys.stdout = _ClosedReaderSafe(sys.stdout)  # type: ignore[assignment]
