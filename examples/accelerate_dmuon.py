@@ -76,12 +76,15 @@ class MarkovTokens(Dataset):
         return {"input_ids": self.seq[i], "labels": self.seq[i]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default=None,
                         help="where save_model writes the weights (default: a temporary folder, removed at the end)")
-    cli = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main(cli: argparse.Namespace) -> int:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=ACCUM)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     # Every rank must name the same folder: the main process picks the temporary one and tells the others.
@@ -153,4 +156,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

@@ -16,6 +16,7 @@ is within ``PARITY_RTOL`` of that one-process run; otherwise ``FAILED`` and a no
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -113,7 +114,13 @@ def one_process_losses(dataset: Dataset, world_size: int, device: torch.device) 
     return losses
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -173,4 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

@@ -12,6 +12,7 @@ by the margin its last line states (``dmuon.tools.verdict``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import os
@@ -35,7 +36,13 @@ from custom_loop import BATCH_PER_RANK, STEPS, MarkovTokens, MyModel  # noqa: E4
 ACCUM = 2  # micro-batches per step: all but the last under dmuon.no_sync
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -83,4 +90,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

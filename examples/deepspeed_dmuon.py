@@ -66,11 +66,15 @@ def build(stage: int, bf16: bool, mesh: object, device: torch.device) -> tuple[o
     return engine, model
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage (default 2)")
     parser.add_argument("--bf16", action="store_true", help="DeepSpeed's bf16 (fp32 Muon state on the owners)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     if not use_cuda:  # skip compiling DeepSpeed's shared-memory comm op (half a minute, needs a compiler)
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -126,4 +130,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

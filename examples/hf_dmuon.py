@@ -54,13 +54,17 @@ def dataloader(steps: int, batch: int, seq: int, rank: int, world: int, device: 
         yield {"input_ids": ids, "labels": ids}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama",
+                        help="the HF model class, built from a small config (default llama)")
+    parser.add_argument("--bf16", action="store_true", help="build the model in bfloat16 (default float32)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    return parser.parse_args(argv)
 
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     if use_cuda:
@@ -110,4 +114,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

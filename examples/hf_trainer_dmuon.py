@@ -95,12 +95,15 @@ class LossLog(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default=None,
                         help="where Trainer writes its checkpoint (default: a temporary folder, removed at the end)")
-    cli = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main(cli: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -170,4 +173,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

@@ -107,14 +107,17 @@ def where_experts_live(model: nn.Module, plan: dmuon.OwnerPlan) -> list[str]:
     return lines
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--experts", choices=["shards", "owners"], default="shards",
                         help="where each expert's Newton-Schulz runs: FSDP2's shards (the default with E >= ranks) "
                              "or one owner rank per expert param (route 'muon')")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -184,4 +187,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

@@ -11,6 +11,7 @@ module is an error that names it, instead of a silent per-Linear boundary.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -125,7 +126,13 @@ def build(mesh, seed: int = 0) -> ToyVLM:
     return model
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(init_device_mesh("cpu", (world,)))
@@ -156,4 +163,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

@@ -17,6 +17,7 @@ one-process run; otherwise ``FAILED`` and a non-zero exit code. CUDA (NCCL) when
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -109,7 +110,13 @@ def one_process_losses(data: list[torch.Tensor], device: torch.device) -> list[f
     return losses
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -157,4 +164,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))
+    sys.exit(main_or_spawn(main, parse_args=parse_args))

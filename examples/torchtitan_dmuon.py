@@ -104,9 +104,10 @@ def markov_batch(step: int, global_batch: int, vocab: int = TOKENS) -> tuple[tor
     return tok[:, :-1], tok[:, 1:]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     parser.add_argument("--layers", type=int, default=None,
                         help="layers of the debug model (default: all 6 on CUDA, 2 on CPU)")
     parser.add_argument("--mixed-precision-param", choices=("bfloat16", "float32"), default=None,
@@ -116,9 +117,13 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=1, help="parallelism.expert_parallel_degree (with --moe)")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.ep > 1 and not args.moe:
         parser.error("--ep needs --moe (the debug Llama 3 has no experts)")
+    return args
+
+
+def main(args: argparse.Namespace) -> int:
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -234,4 +239,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

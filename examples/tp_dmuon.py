@@ -16,6 +16,7 @@ GPU. Exits non-zero if the loss did not fall by the margin its last line states 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -64,7 +65,13 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     world = dist.get_world_size()
@@ -112,4 +119,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_or_spawn(main))  # plain `python` starts 2 local ranks itself
+    sys.exit(main_or_spawn(main, parse_args=parse_args))  # plain `python` starts 2 local ranks itself

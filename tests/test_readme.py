@@ -100,3 +100,49 @@ def test_minimal_script_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
     # dedicate_params prints its plan on rank 0 by default: once, not once per rank
     assert proc.stdout.count("dmuon: 4 dedicated params over 2 ranks") == 1, proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["minimal.py"]  # it writes nothing
+
+
+#: a call in the first cell of an API-table row: ``name(params)``, ``name`` maybe dotted (``dmuon.diagnostics.x``)
+_API_CALL = re.compile(r"`((?:dmuon\.)?[\w.]+)\(([^`]*)\)`")
+
+
+def _top_level_params(params: str) -> list[str]:
+    """The parameter names of ``a, b=(1, 2), *, c=[...]``: split at commas outside brackets, ``*`` dropped."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(params + ","):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            name = params[start:i].split("=")[0].strip()
+            if name and name != "*":
+                names.append(name)
+            start = i + 1
+    return names
+
+
+def test_api_table_names_every_option() -> None:
+    """Each row of README's API table lists every parameter with a default of the function it names (issue 31:
+    ``dedicate_params``' row had no ``blocks=``), and no option the function lacks; ``...`` marks a row that
+    lists only some."""
+    import importlib
+    import inspect
+
+    api = README.read_text().split("\n## API\n", 1)[1].split("\n## ", 1)[0]
+    checked = []
+    for row in (line for line in api.splitlines() if line.startswith("| `")):
+        home = "dmuon"  # a bare name after a dotted one lives in the dotted one's module
+        for name, params in _API_CALL.findall(row.split(" | ")[0]):
+            parts = name.split(".")
+            if len(parts) > 1:
+                home = ".".join(parts[:-1] if parts[0] == "dmuon" else ["dmuon", *parts[:-1]])
+            fn = getattr(importlib.import_module(home), parts[-1], None)
+            assert callable(fn), f"README.md's API table names {name}, which {home} does not have"
+            listed = _top_level_params(params)
+            sig = inspect.signature(fn).parameters
+            options = [p for p, v in sig.items() if v.default is not inspect.Parameter.empty]
+            missing = [] if "..." in listed else [p for p in options if p not in listed]
+            unknown = [p for p in listed if f"{p}=" in params and p not in sig]
+            assert not missing, f"README.md's API table: {name}(...) does not list {missing}"
+            assert not unknown, f"README.md's API table: {name}(...) lists options it does not have: {unknown}"
+            checked.append(name)
+    assert {"dedicate_params", "Muon", "clip_grad_norm_"} <= set(checked), checked

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .launch import free_port
+from .launch import free_port, quiet_closed_stdout
 from .presets import PRESET_ALIASES, PRESETS, canonical_preset
 from .timing import median_ms
 
@@ -431,7 +431,10 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpar
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on this process group (a one-rank group when not under torchrun); returns the exit
+    code: 0 on success, also when a reader such as ``head`` stopped reading early (the run goes on quietly)."""
     parser, args = _parse_args(argv)
+    quiet_closed_stdout()
     args.batch = args.batch or (2 if args.preset == "tiny" else 4)
     args.seq = args.seq or (32 if args.preset == "tiny" else 512)
     args.e2e_steps = args.steps if args.e2e_steps is None else args.e2e_steps

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .launch import free_port
+from .launch import free_port, quiet_closed_stdout
 
 __all__ = ["main", "DemoSettings", "MarkovTask"]
 
@@ -275,6 +275,7 @@ def _train_rank(rank: int, s: DemoSettings, result_path: str) -> None:
 
 def _rank_entry(rank: int, s: DemoSettings, port: int, workdir: str) -> None:
     """Spawned process body: run the rank, and on failure leave the traceback for the parent to print."""
+    quiet_closed_stdout()  # rank 0 prints into the parent's stdout; `| head` must not end the job
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(s.world_size), LOCAL_RANK=str(rank))
     try:
@@ -369,8 +370,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the process exit code (0 on success)."""
+    """Run the demo; returns the process exit code (0 on success, also when a reader such as ``head`` stopped
+    reading the output early: the run goes on to its end quietly)."""
     args = _parse_args(argv)
+    quiet_closed_stdout()
     if args.steps < 1:
         print("dmuon demo: --steps must be >= 1", file=sys.stderr)
         return 2
