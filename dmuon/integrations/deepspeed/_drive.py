@@ -8,10 +8,11 @@ dedicated params are in no group DeepSpeed sees, so its hooks, reduces, norm, ov
 never meet them; the four methods of ZeRO's optimizer object below bring them in, as methods of that one object
 (nothing process-wide changes):
 
-* ``step``: dmuon's runtime drive (``DMuonState.run_step``: the reduces finished, the update, then the
-  non-owners' copies dropped) around ZeRO's own step, followed, unless the step overflowed, by the owners'
-  update: their gradients unscaled and clipped by ZeRO's own ``unscale_and_clip_grads`` with the norm it
-  computed (so both halves see the same factor), then Muon (and AdamW for ``adamw_owner`` params);
+* ``step``: ``dmuon.Muon.apply_update``, the update ``Muon.step`` runs (the reduces finished, QK-clip's maxima
+  gathered, the owners' update, QK-clip, the non-owners' copies dropped), with ZeRO's own step as its engine
+  step: after it, unless the step overflowed, the owners' gradients are unscaled and clipped by ZeRO's own
+  ``unscale_and_clip_grads`` with the norm it computed (so both halves see the same factor), then Muon (and
+  AdamW for ``adamw_owner`` params) runs;
 * ``scaled_global_norm``: ZeRO's norm of its slices combined with the dedicated gradients' (each counted once,
   on its owner): the clip factor and ``engine.get_global_grad_norm()`` are the whole model's;
 * ``has_overflow``: ZeRO's verdict or an inf / NaN in a dedicated gradient (fp16 loss scaling skips the whole
@@ -87,20 +88,20 @@ class Drive:
     # ------------------------------------------------------------------ #
     @torch.no_grad()
     def _zero_step(self, original: Any, closure: Any = None) -> None:
-        self.state.run_step(lambda: self._update(original), wait_publish=True)
+        self.muon.apply_update(engine_step=lambda: self._engine_step(original))  # the update Muon.step runs
 
-    def _update(self, zero_step: Any) -> None:
+    def _engine_step(self, zero_step: Any) -> bool:
+        """ZeRO's own step, then (unless it overflowed) the owners' gradients unscaled and clipped by ZeRO's
+        factor; whether dmuon's part of the step runs."""
         zero = self.engine.optimizer
         self.norm = None
         zero_step()
         if zero.overflow:  # ZeRO skipped the step and dropped the gradients (``zero_grad``: ours too)
-            return
+            return False
         grads = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
         if grads:
             zero.unscale_and_clip_grads(grads, self.norm)
-        self.muon._update_owned()
-        self.muon._adamw.step()
-        self.muon._check_pending = False
+        return True
 
     def _zero_scaled_global_norm(self, original: Any, norm_type: float = 2) -> torch.Tensor:
         theirs = original(norm_type)
