@@ -34,7 +34,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
-from ._part import ENGINE_KINDS, STATE_KEY, owned_part, part_problems
+from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_problems
 
 __all__ = ["Drive"]
 
@@ -53,7 +53,7 @@ class Drive:
 
     def __init__(self, state: DMuonState, muon: Muon) -> None:
         self.state, self.muon = state, muon
-        shared = [g for g in muon.param_groups if g["kind"] in ENGINE_KINDS and g["params"]]
+        shared = engine_groups(muon)
         adamw = muon._adamw
         #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains
         self.facade = torch.optim.AdamW(shared, foreach=adamw.defaults.get("foreach"),
@@ -181,8 +181,7 @@ class Drive:
         found = part_problems(part, self.state, self.muon, "the ZeRO file")
         if found:  # only a load that bypassed engine.load_checkpoint gets here
             raise ValueError(f"dmuon: {found[0]}.")
-        mine = [g for g in self.muon.param_groups if g["kind"] not in ENGINE_KINDS]
-        for g, saved in zip(mine, part["groups"]):  # type: ignore[index]
+        for g, saved in zip(own_groups(self.muon), part["groups"]):  # type: ignore[index]
             g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         for dp in self.state.owned():
             entry = part["state"].get(dp.fqn)  # type: ignore[index]
