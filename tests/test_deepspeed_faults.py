@@ -1,9 +1,9 @@
 """A DeepSpeed checkpoint that cannot load changes nothing (issue 31; [Note: atomic DeepSpeed loads] in
 ``dmuon/integrations/deepspeed/_load.py``).
 
-ZeRO-2 with clipping and a torch scheduler on 2 gloo ranks saves with ``engine.save_checkpoint`` after 2 steps and
-trains one more; then ``engine.load_checkpoint`` meets damaged copies of that checkpoint, each touching rank 1's
-ZeRO file only:
+ZeRO-2 with clipping and a torch scheduler on 2 gloo ranks saves with ``engine.save_checkpoint`` after 2 steps;
+then, one more step before each, ``engine.load_checkpoint`` meets damaged copies of that checkpoint, each touching
+rank 1's ZeRO file only:
 
 * ``byte``: one flipped byte inside a dedicated momentum (``torch.load`` checks no CRC; dmuon's checksum does);
 * ``missing``: the file deleted;
@@ -106,12 +106,14 @@ def two_ranks_job(rank: int, world: int, root: str) -> dict[str, Any]:
     train(engine, model, rank, world, RUN, range(2))
     engine.save_checkpoint(os.path.join(root, "good"), tag=TAG)
     saved = live(engine, model, opt)
-    train(engine, model, rank, world, RUN, range(2, 3))
     dist.barrier()
     if rank == 0:
         _damage(root)
     dist.barrier()
-    out = {case: _try_load(engine, model, opt, os.path.join(root, case)) for case in CASES}
+    out = {}
+    for i, case in enumerate(CASES):  # a step first: the live state differs from the checkpoint's, whatever came before
+        train(engine, model, rank, world, RUN, range(2 + i, 3 + i))
+        out[case] = _try_load(engine, model, opt, os.path.join(root, case))
     engine.load_checkpoint(os.path.join(root, "good"), tag=TAG)
     out["intact"] = differences(saved, live(engine, model, opt))
     return out
