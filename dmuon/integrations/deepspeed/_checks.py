@@ -12,7 +12,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 
-__all__ = ["problems", "agree"]
+__all__ = ["problems", "agree", "agreed"]
 
 
 def _dtype(config: Any) -> torch.dtype | None:
@@ -91,12 +91,20 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     return out
 
 
-def agree(mine: list[str], *, what: str = "deepspeed.initialize refused for this dmuon model") -> None:
-    """One gather over the default group: if any rank found a problem, every rank raises the same error."""
+def agreed(mine: list[str]) -> str | None:
+    """One gather over the default group: every rank's problems, listed once where every rank found the same
+    (``None``: no rank found any). The same on every rank, so all raise together."""
     views = C.all_gather_default((dist.get_rank(), mine))
     found = [(r, p) for r, ps in views for p in ps]  # type: ignore[misc]
-    if found:
-        first: list[str] = views[0][1]  # type: ignore[index]
-        same = all(ps == first for _, ps in views)  # type: ignore[misc]
-        listed = "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
-        raise ValueError(f"dmuon: {what}: {listed}. Nothing was changed.")
+    if not found:
+        return None
+    first: list[str] = views[0][1]  # type: ignore[index]
+    same = all(ps == first for _, ps in views)  # type: ignore[misc]
+    return "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
+
+
+def agree(mine: list[str]) -> None:
+    """:func:`agreed` for ``deepspeed.initialize``: if any rank found a problem, every rank raises the same error."""
+    listed = agreed(mine)
+    if listed is not None:
+        raise ValueError(f"dmuon: deepspeed.initialize refused for this dmuon model: {listed}. Nothing was changed.")

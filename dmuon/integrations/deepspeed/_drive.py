@@ -180,7 +180,8 @@ class Drive:
         part, self._loaded = self._loaded, None
         found = part_problems(part, self.state, self.muon, "the ZeRO file")
         if found:  # only a load that bypassed engine.load_checkpoint gets here
-            raise ValueError(f"dmuon: {found[0]}.")
+            raise ValueError(f"dmuon: ZeRO's optimizer state was loaded without engine.load_checkpoint's checks, and "
+                             f"its dmuon part does not fit: {found[0]}.")
         for g, saved in zip(own_groups(self.muon), part["groups"]):  # type: ignore[index]
             g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         for dp in self.state.owned():

@@ -34,7 +34,7 @@ from ...checkpoint.model import ModelLoad, check_model_sd
 from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
-from ._checks import agree
+from ._checks import agreed
 from ._part import STATE_KEY, part_problems
 
 __all__ = ["Files", "Staged", "load_checkpoint", "read_and_check"]
@@ -249,7 +249,10 @@ def load_checkpoint(engine: Any, state: DMuonState, muon: Muon, original: Callab
     scheduler = not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None
     files, sd, problems = read_and_check(engine, state, muon, load_dir, resolved, counters=not load_module_only,
                                          optimizer=optimizer, scheduler=scheduler)
-    agree(problems, what=f"engine.load_checkpoint({load_dir!r}, tag={resolved!r}) refused")
+    listed = agreed(problems)
+    if listed is not None:
+        raise ValueError(f"dmuon: engine.load_checkpoint({load_dir!r}, tag={resolved!r}) refused: {listed}. Nothing "
+                         "was changed.")
     model = check_model_sd(state.model, sd["module"], what="engine.load_checkpoint")  # type: ignore[index]
     staged = Staged(engine, state, muon)
     undo = files.serve(engine)
