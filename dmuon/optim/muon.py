@@ -512,19 +512,18 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_update(self, *, engine_step: Callable[[], bool] | None = None) -> None:
         """One step's update on every rank: what :meth:`step` runs, and what an engine that runs the step itself
-        calls instead (DeepSpeed's ``engine.step()``, through dmuon's glue), so every engine gets the same update,
-        QK-clip included. Collective.
+        calls (DeepSpeed's ``engine.step()``, through dmuon's glue), so every engine gets the same update. Collective.
 
-        In order, once every gradient reduce has finished: QK-clip's maxima gathered (it raises before anything
-        changes); ``engine_step()``, the engine's own step of the params it trains, whose ``False`` (an fp16
-        overflow) skips the rest; Muon (and AdamW) on the owners' matrices; AdamW on the params this optimizer
-        steps; QK-clip on the owners; then the new weights go out and non-owner copies are dropped.
+        Once every reduce has finished: QK-clip's maxima gathered (it raises before anything changes);
+        ``engine_step()``, the engine's own step of its params, whose ``False`` (an fp16 overflow) skips the rest;
+        Muon and AdamW on the owners' matrices; AdamW on this optimizer's other params; QK-clip on the owners;
+        then the new weights go out and non-owner copies are dropped.
 
-        Example (what dmuon's DeepSpeed glue does inside ZeRO's ``step``)::
+        Example (dmuon's DeepSpeed glue, inside ZeRO's ``step``)::
 
             def engine_step() -> bool:
-                zero_step()                 # the engine's AdamW on its own slices
-                return not zero.overflow    # skip dmuon's part of an overflowed step too
+                zero_step()                  # ZeRO's AdamW on its own slices
+                return not zero.overflow     # an overflow skips dmuon's part too
 
             optimizer.apply_update(engine_step=engine_step)
         """

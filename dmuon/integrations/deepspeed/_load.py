@@ -63,12 +63,13 @@ class Files:
         return self.read[path]
 
     def serve(self, engine: Any) -> Callable[[], None]:
-        """Until the returned undo runs: DeepSpeed's reads of these paths get the objects read here."""
+        """Until the returned undo runs: DeepSpeed's reads of these paths (the model file twice: its checkpoint
+        list check, then the load) get the objects read here."""
         ckpt = engine.checkpoint_engine
         original = ckpt.load
 
         def load(path: str, map_location: Any = None) -> Any:
-            return self.read.pop(path) if path in self.read else original(path, map_location=map_location)
+            return self.read[path] if path in self.read else original(path, map_location=map_location)
 
         ckpt.load = load
 

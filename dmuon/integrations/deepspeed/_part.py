@@ -52,7 +52,8 @@ def owned_part(state: DMuonState, muon: Muon) -> dict[str, Any]:
     st = {dp.fqn: dict(muon.state[dp.param]) for dp in state.owned() if muon.state.get(dp.param)}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in own_groups(muon)]
     with torch.no_grad():
-        sums = {fqn: {k: _checksum(v) for k, v in entry.items() if isinstance(v, torch.Tensor)} for fqn, entry in st.items()}
+        sums = {fqn: {k: _checksum(v) for k, v in entry.items() if isinstance(v, torch.Tensor)}
+                for fqn, entry in st.items()}
     return {"plan": plan_of(state), "rank": state.ctx.rank, "state": st, "groups": groups, "checksums": sums}
 
 
