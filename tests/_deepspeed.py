@@ -59,8 +59,10 @@ class Run:
         return f"zero{self.stage} accum{self.accum} clip{self.clip:g}" + (f" wrong={self.wrong}" if self.wrong else "")
 
 
-def build(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:
-    """The test model dedicated over ``world`` ranks, ``dmuon.Muon`` (the parity hyperparameters) and the engine."""
+def build(world: int, run: Run, *, schedule: Callable[[dmuon.Muon], Any] | None = None,
+          **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:
+    """The test model dedicated over ``world`` ranks, ``dmuon.Muon`` (the parity hyperparameters) and the engine;
+    ``schedule(optimizer)``: the torch scheduler the engine gets."""
     import deepspeed
 
     torch.manual_seed(0)
@@ -68,6 +70,7 @@ def build(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, 
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False)
     opt = dmuon.Muon(model, **muon_kwargs())
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           lr_scheduler=None if schedule is None else schedule(opt),
                                            config=config(world, stage=run.stage, accum=run.accum, clip=run.clip,
                                                          **ds_extra))
     return engine, model, opt

@@ -520,14 +520,34 @@ class Muon(torch.optim.Optimizer):
                 "optimizer's (engine.step() after engine.backward(loss)); a step of dmuon.Muon alone would leave "
                 "the engine's params behind."
             )
-        state.run_step(self._update, wait_publish=not self.replicate_async)
+        self.apply_update()
         return loss
 
-    def _update(self) -> None:
-        """The update itself, once the runtime has every averaged gradient in place: QK-clip's maxima gathered
-        (it raises before anything changes), Muon (and AdamW) on the owners' matrices, AdamW on the engine's
-        params, then the clip on the owners, before the runtime publishes."""
+    @torch.no_grad()
+    def apply_update(self, *, engine_step: Callable[[], bool] | None = None) -> None:
+        """One step's update on every rank: what :meth:`step` runs, and what an engine that runs the step itself
+        calls (DeepSpeed's ``engine.step()``, through dmuon's glue), so every engine gets the same update. Collective.
+
+        Once every reduce has finished: QK-clip's maxima gathered (it raises before anything changes);
+        ``engine_step()``, the engine's own step of its params, whose ``False`` (an fp16 overflow) skips the rest;
+        Muon and AdamW on the owners' matrices; AdamW on this optimizer's other params; QK-clip on the owners;
+        then the new weights go out and non-owner copies are dropped.
+
+        Example (dmuon's DeepSpeed glue, inside ZeRO's ``step``)::
+
+            def engine_step() -> bool:
+                zero_step()                  # ZeRO's AdamW on its own slices
+                return not zero.overflow     # an overflow skips dmuon's part too
+
+            optimizer.apply_update(engine_step=engine_step)
+        """
+        self._dmuon_state.run_step(lambda: self._update(engine_step), wait_publish=not self.replicate_async)
+
+    def _update(self, engine_step: Callable[[], bool] | None) -> None:
+        """:meth:`apply_update` once the runtime has every averaged gradient in place, before it publishes."""
         maxima = None if self.qk_clip is None else self.qk_clip.gather()
+        if engine_step is not None and not engine_step():
+            return
         self._update_owned()
         self._adamw.step()
         if maxima is not None:

@@ -23,13 +23,17 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
 * Accumulation: dmuon's hooks ask the engine whether a backward closes the window
   (``is_gradient_accumulation_boundary``), so dedicated gradients are averaged once per step, at the boundary.
 * Checkpoints: ``engine.save_checkpoint`` writes the model file from :func:`dmuon.get_model_state_dict` (every
-  rank gathers, rank 0 writes) and every rank's ZeRO file carries its owned Muon state; ``load_checkpoint``
-  reads both back through :func:`dmuon.set_model_state_dict`. A restart on the same ranks is bit-identical; on
-  another world size, resume through dmuon's full state dicts (``docs/guides/deepspeed.md``).
+  rank gathers, rank 0 writes) and every rank's ZeRO file carries its owned Muon state with its checksums;
+  ``load_checkpoint`` is all or nothing ([Note: atomic DeepSpeed loads] in ``_load.py``): every rank reads and
+  checks what it needs, all agree, and only then does DeepSpeed's load run (put back on every rank should it
+  still fail on one). A restart on the same ranks is bit-identical; on another world size, resume through
+  dmuon's full state dicts (``docs/guides/deepspeed.md``).
+* ``engine.step()`` runs ``dmuon.Muon.apply_update``, the update ``Muon.step`` runs (QK-clip included), with
+  ZeRO's own step inside it.
 * Refused before anything changes, on every rank: ZeRO stage 0 or 3, an optimizer other than the model's
   ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another dtype than the
   config's fp16 / bf16, bf16 with fp32 gradient accumulation at stage 1 (DeepSpeed's ``BF16_Optimizer``),
-  optimizer offload, a config ``scheduler`` (it would set one lr for Muon and AdamW alike), model, tensor or
+  optimizer offload, ``elastic_checkpoint``, a config ``scheduler`` (it would set one lr for Muon and AdamW alike), model, tensor or
   sequence parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
 """
 

@@ -12,7 +12,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 
-__all__ = ["problems", "agree"]
+__all__ = ["problems", "agree", "agreed"]
 
 
 def _dtype(config: Any) -> torch.dtype | None:
@@ -73,6 +73,10 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     if dtype == torch.bfloat16 and stage == 1 and config.grad_accum_dtype not in (None, "bf16", "bfloat16"):
         out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
                    "which dmuon does not drive: use ZeRO stage 2, or leave grad_accum_dtype unset")
+    if getattr(zero, "elastic_checkpoint", False):
+        out.append("zero_optimization.elastic_checkpoint saves ZeRO's AdamW state without the optimizer's own state "
+                   "dict, so the owners' Muon state would not be saved; remove it (resume on another world size "
+                   "through dmuon's full state dicts)")
     offload = getattr(zero, "offload_optimizer", None)
     device = str(getattr(offload, "device", "none")).lower()
     if offload is not None and device not in ("none", "offloaddeviceenum.none"):
@@ -87,12 +91,20 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     return out
 
 
-def agree(mine: list[str]) -> None:
-    """One gather over the default group: if any rank found a problem, every rank raises the same error."""
+def agreed(mine: list[str]) -> str | None:
+    """One gather over the default group: every rank's problems, listed once where every rank found the same
+    (``None``: no rank found any). The same on every rank, so all raise together."""
     views = C.all_gather_default((dist.get_rank(), mine))
     found = [(r, p) for r, ps in views for p in ps]  # type: ignore[misc]
-    if found:
-        first: list[str] = views[0][1]  # type: ignore[index]
-        same = all(ps == first for _, ps in views)  # type: ignore[misc]
-        listed = "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
+    if not found:
+        return None
+    first: list[str] = views[0][1]  # type: ignore[index]
+    same = all(ps == first for _, ps in views)  # type: ignore[misc]
+    return "; ".join(first) if same else "; ".join(f"rank {r}: {p}" for r, p in found)
+
+
+def agree(mine: list[str]) -> None:
+    """:func:`agreed` for ``deepspeed.initialize``: if any rank found a problem, every rank raises the same error."""
+    listed = agreed(mine)
+    if listed is not None:
         raise ValueError(f"dmuon: deepspeed.initialize refused for this dmuon model: {listed}. Nothing was changed.")

@@ -8,10 +8,11 @@ dedicated params are in no group DeepSpeed sees, so its hooks, reduces, norm, ov
 never meet them; the four methods of ZeRO's optimizer object below bring them in, as methods of that one object
 (nothing process-wide changes):
 
-* ``step``: dmuon's runtime drive (``DMuonState.run_step``: the reduces finished, the update, then the
-  non-owners' copies dropped) around ZeRO's own step, followed, unless the step overflowed, by the owners'
-  update: their gradients unscaled and clipped by ZeRO's own ``unscale_and_clip_grads`` with the norm it
-  computed (so both halves see the same factor), then Muon (and AdamW for ``adamw_owner`` params);
+* ``step``: ``dmuon.Muon.apply_update``, the update ``Muon.step`` runs (the reduces finished, QK-clip's maxima
+  gathered, the owners' update, QK-clip, the non-owners' copies dropped), with ZeRO's own step as its engine
+  step: after it, unless the step overflowed, the owners' gradients are unscaled and clipped by ZeRO's own
+  ``unscale_and_clip_grads`` with the norm it computed (so both halves see the same factor), then Muon (and
+  AdamW for ``adamw_owner`` params) runs;
 * ``scaled_global_norm``: ZeRO's norm of its slices combined with the dedicated gradients' (each counted once,
   on its owner): the clip factor and ``engine.get_global_grad_norm()`` are the whole model's;
 * ``has_overflow``: ZeRO's verdict or an inf / NaN in a dedicated gradient (fp16 loss scaling skips the whole
@@ -21,22 +22,21 @@ never meet them; the four methods of ZeRO's optimizer object below bring them in
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
 
 from ... import engines
 from ...checkpoint import get_model_state_dict, set_model_state_dict
+from ...checkpoint.model import ModelLoad, apply_model_sd
 from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
+from ._load import load_checkpoint
+from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_problems
 
 __all__ = ["Drive"]
-
-#: dmuon.Muon's group kinds whose params DeepSpeed trains (the rest are dedicated: dmuon's)
-ENGINE_KINDS = ("adamw", "adamw_replicated")
-#: the key of dmuon's part in the facade's (so each rank's ZeRO file's) optimizer state dict
-STATE_KEY = "dmuon"
 
 
 class Drive:
@@ -44,15 +44,16 @@ class Drive:
     step ([Note: DeepSpeed step]). Built before ``DeepSpeedEngine.__init__`` runs, attached after."""
 
     #: what the glue replaces on each object, per instance (``install`` checks they exist)
-    ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict",
-                                                  "is_gradient_accumulation_boundary")
+    ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict", "load_checkpoint",
+                                                  "is_gradient_accumulation_boundary", "load_universal_checkpoint",
+                                                  "_get_all_ckpt_names", "_get_zero_ckpt_name")
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
                                                 "unscale_and_clip_grads", "refresh_fp32_params",
                                                 "_lazy_init_hp_params_optimizer_state")
 
     def __init__(self, state: DMuonState, muon: Muon) -> None:
         self.state, self.muon = state, muon
-        shared = [g for g in muon.param_groups if g["kind"] in ENGINE_KINDS and g["params"]]
+        shared = engine_groups(muon)
         adamw = muon._adamw
         #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains
         self.facade = torch.optim.AdamW(shared, foreach=adamw.defaults.get("foreach"),
@@ -62,6 +63,8 @@ class Drive:
         self.facade.register_load_state_dict_pre_hook(self._take_owned)
         self.facade.register_load_state_dict_post_hook(self._relink)
         self._loaded: dict[str, Any] | None = None
+        #: the model dict ``engine.load_checkpoint`` checked, while DeepSpeed's own load runs
+        self._checked: ModelLoad | None = None
         #: ZeRO's norm of this step, combined with the dedicated gradients' (``scaled_global_norm``)
         self.norm: torch.Tensor | None = None
         self.engine: Any = None
@@ -77,6 +80,8 @@ class Drive:
             setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
         engine.module_state_dict = self._module_state_dict
         engine.load_module_state_dict = self._load_module_state_dict
+        engine.load_checkpoint = functools.wraps(engine.load_checkpoint)(
+            functools.partial(load_checkpoint, engine, self.state, self.muon, engine.load_checkpoint, self._check))
         muon = self.muon
         muon._deepspeed_drive = self
         muon._adamw.param_groups = [g for g in muon.param_groups if g["kind"] == "adamw_owned"]  # owners' AdamW
@@ -87,20 +92,20 @@ class Drive:
     # ------------------------------------------------------------------ #
     @torch.no_grad()
     def _zero_step(self, original: Any, closure: Any = None) -> None:
-        self.state.run_step(lambda: self._update(original), wait_publish=True)
+        self.muon.apply_update(engine_step=lambda: self._engine_step(original))  # the update Muon.step runs
 
-    def _update(self, zero_step: Any) -> None:
+    def _engine_step(self, zero_step: Any) -> bool:
+        """ZeRO's own step, then (unless it overflowed) the owners' gradients unscaled and clipped by ZeRO's
+        factor; whether dmuon's part of the step runs."""
         zero = self.engine.optimizer
         self.norm = None
         zero_step()
         if zero.overflow:  # ZeRO skipped the step and dropped the gradients (``zero_grad``: ours too)
-            return
+            return False
         grads = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
         if grads:
             zero.unscale_and_clip_grads(grads, self.norm)
-        self.muon._update_owned()
-        self.muon._adamw.step()
-        self.muon._check_pending = False
+        return True
 
     def _zero_scaled_global_norm(self, original: Any, norm_type: float = 2) -> torch.Tensor:
         theirs = original(norm_type)
@@ -143,24 +148,22 @@ class Drive:
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
 
+    def _check(self, load: ModelLoad | None) -> None:
+        self._checked = load
+
     def _load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True, *args: Any,
                                 **kwargs: Any) -> None:
         """``engine.load_checkpoint`` (every rank reads the same file): dmuon's setter (which restarts ZeRO's fp32
-        copies from the loaded values; its optimizer files then bring the saved ones)."""
-        set_model_state_dict(self.state.model, checkpoint["module"])
-
-    def _owned_part(self) -> dict[str, Any]:
-        """This rank's owned Muon state and the hyperparameters of dmuon's own groups."""
-        owned = {dp.fqn: dp for dp in self.state.owned()}
-        st = {fqn: {k: v for k, v in self.muon.state[dp.param].items()} for fqn, dp in owned.items()
-              if self.muon.state.get(dp.param)}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.muon.param_groups
-                  if g["kind"] not in ENGINE_KINDS]
-        plan = {dp.fqn: dp.owner for dp in self.state.dedicated()}
-        return {"plan": plan, "state": st, "groups": groups}
+        copies from the loaded values; its optimizer files then bring the saved ones); the dict dmuon's load
+        already checked is written without a second check ([Note: atomic DeepSpeed loads] in ``_load.py``)."""
+        load = self._checked
+        if load is not None and load.sd is checkpoint["module"]:
+            apply_model_sd(load)
+        else:
+            set_model_state_dict(self.state.model, checkpoint["module"])
 
     def _save_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        sd[STATE_KEY] = self._owned_part()
+        sd[STATE_KEY] = owned_part(self.state, self.muon)
         return sd
 
     def _take_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
@@ -170,26 +173,19 @@ class Drive:
     def _relink(self, facade: Any) -> None:
         """After ZeRO loaded the facade: torch's ``load_state_dict`` made new group dicts, so copy their values
         into the shared ones (which ``dmuon.Muon`` and its schedulers hold) and hand those back; then restore
-        the owners' state."""
+        the owners' state (checked before anything was written: ``engine.load_checkpoint``)."""
         for shared, new in zip(self.shared, facade.param_groups):
             shared.update(new)
         facade.param_groups = self.shared
         part, self._loaded = self._loaded, None
-        if part is None:
-            raise ValueError("dmuon: this DeepSpeed checkpoint has no dmuon part in its optimizer files (saved without "
-                             "dmuon?); load the model with load_checkpoint(..., load_module_only=True).")
-        plan = {dp.fqn: dp.owner for dp in self.state.dedicated()}
-        if part["plan"] != plan:
-            raise ValueError(
-                "dmuon: this DeepSpeed checkpoint was saved with another owner plan (another world size or model), so "
-                "each rank's file holds other matrices' Muon state. Resume through dmuon's full state dicts instead: "
-                "dmuon.get_state_dict / set_state_dict (docs/guides/deepspeed.md)."
-            )
-        mine = [g for g in self.muon.param_groups if g["kind"] not in ENGINE_KINDS]
-        for g, saved in zip(mine, part["groups"]):
+        found = part_problems(part, self.state, self.muon, "the ZeRO file")
+        if found:  # only a load that bypassed engine.load_checkpoint gets here
+            raise ValueError(f"dmuon: ZeRO's optimizer state was loaded without engine.load_checkpoint's checks, and "
+                             f"its dmuon part does not fit: {found[0]}.")
+        for g, saved in zip(own_groups(self.muon), part["groups"]):  # type: ignore[index]
             g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         for dp in self.state.owned():
-            entry = part["state"].get(dp.fqn)
+            entry = part["state"].get(dp.fqn)  # type: ignore[index]
             self.muon.state.pop(dp.param, None)
             if entry:
                 self.muon.state[dp.param] = {k: v.to(dp.param.device) if isinstance(v, torch.Tensor) and k != "step"
