@@ -1,0 +1,89 @@
+"""dmuon's launches per training step do not grow with the world: every owner's bucket of a boundary moves in one
+launch per phase ([Note: one launch per boundary] in ``dmuon/runtime/comm.py``).
+
+Counted two ways on 2, 4 and 8 gloo ranks: by dmuon's own ``CommCounter`` (``calls``) and independently by
+wrapping ``torch.distributed``'s collective functions (``dmuon.tools.side_by_side.CollectiveCounter``). The
+model has no FSDP2, so every collective of the step is dmuon's: per boundary the forward gather, the backward
+gather (Z3) and the gradient reduce, plus one fixed launch per step, the all-reduce of the plain params'
+gradients (embeddings, norms, head: ``replicated_grad_all_reduce``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from dmuon.runtime.hooks import get_state
+from dmuon.tools.models import TinyLlama, projection_predicate
+from dmuon.tools.side_by_side import CollectiveCounter
+from tests._dist import DEVICE_TYPE, device, run_distributed, world_available
+from tests._training import CFG4, KJ
+
+RUNS_ON_CUDA = True
+WORLDS = (2, 4, 8)
+STEPS = 2
+#: the phases of one boundary that launch: forward gather, backward gather (Z3), gradient reduce
+PER_BOUNDARY = ("forward_broadcast", "backward_broadcast", "reduce")
+
+
+def _job(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    model = TinyLlama(CFG4)
+    model.init_weights(0)
+    model = model.to(device())
+    dmuon.dedicate_params(model, mesh, projection_predicate)
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(STEPS):
+        tok = torch.randint(0, CFG4.vocab_size, (2, 9), generator=gen).to(device())
+        dmuon.diagnostics.reset_comm_counts(model)
+        with CollectiveCounter() as counter:
+            opt.zero_grad()
+            logits = model(tok[:, :-1]).logits
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1)).backward()
+            opt.step()
+        ours = dmuon.diagnostics.comm_counts(model)
+        steps.append({"dmuon": {k: v["calls"] for k, v in ours.items() if v["calls"]},
+                      "torch": {k: v["calls"] for k, v in counter.as_dict().items()}})
+    owners = {p._dedicated_owner_rank for p in dmuon.get_dedicated_params(model).values()}
+    boundaries = [g.fqn for g in get_state(model).groups]
+    return {"steps": steps, "boundaries": len(boundaries), "owners": len(owners), "names": boundaries}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    worlds = [w for w in WORLDS if world_available(w)]
+    if len(worlds) < 2:
+        pytest.skip("needs at least two of the world sizes")
+    return {w: run_distributed(_job, w) for w in worlds}
+
+
+def test_launches_per_step_are_the_same_at_every_world_size(runs):
+    seen = {}
+    for world, results in runs.items():
+        assert all(r["owners"] == min(world, 28) for r in results), (world, [r["owners"] for r in results])
+        for rank, res in enumerate(results):
+            for step, counts in enumerate(res["steps"]):
+                seen[world, rank, step] = counts["dmuon"]
+    first = next(iter(seen.values()))
+    assert all(c == first for c in seen.values()), seen
+
+
+def test_at_most_three_launches_per_boundary_plus_the_plain_param_all_reduce(runs):
+    for world, results in runs.items():
+        for rank, res in enumerate(results):
+            boundaries = res["boundaries"]
+            for step, counts in enumerate(res["steps"]):
+                ours = counts["dmuon"]
+                what = (world, rank, step, counts)
+                assert sum(ours.get(k, 0) for k in PER_BOUNDARY) <= 3 * boundaries, what
+                assert all(ours.get(k) == boundaries for k in PER_BOUNDARY), what
+                assert ours.get("replicated_grad_all_reduce") == 1, what
+                assert set(ours) <= {*PER_BOUNDARY, "replicated_grad_all_reduce"}, what
+                # the independent count: every torch.distributed collective of the step is one of dmuon's
+                assert sum(counts["torch"].values()) == sum(ours.values()) == 3 * boundaries + 1, what
