@@ -87,3 +87,20 @@ def test_at_most_three_launches_per_boundary_plus_the_plain_param_all_reduce(run
                 assert set(ours) <= {*PER_BOUNDARY, "replicated_grad_all_reduce"}, what
                 # the independent count: every torch.distributed collective of the step is one of dmuon's
                 assert sum(counts["torch"].values()) == sum(ours.values()) == 3 * boundaries + 1, what
+
+
+@pytest.mark.parametrize("world,replicas", [(8, 1), (64, 1), (1024, 1), (64, 8)])
+def test_the_planner_counts_one_launch_per_boundary_and_phase(world, replicas):
+    """``python -m dmuon.plan --simulate`` charges dmuon what the runtime launches: one call per boundary (a
+    Llama-3-8B layer holds 7 matrices, spread over up to 7 owners) per phase, whatever the world size."""
+    from dmuon.tools.presets import PRESETS
+    from dmuon.tools.schedules import simulate_design
+    from dmuon.tools.step_model import Scenario
+
+    shape = PRESETS["llama3-8b"]
+    calls = {c["name"]: c["calls"] for c in simulate_design(Scenario(shape, world, replicas=replicas),
+                                                              "dmuon")["collectives"]}
+    for phase in ("dmuon forward broadcast", "dmuon backward broadcast", "dmuon reduce"):
+        assert calls[phase] == shape.layers, (phase, calls)
+    if replicas > 1:  # a column's holders: one launch per boundary they hold a bucket of
+        assert 0 < calls["dmuon replicate reduce"] == calls["dmuon replicate publish"] <= shape.layers, calls
