@@ -318,30 +318,27 @@ class PendingComm(NamedTuple):
 
 
 def broadcast(ctx: CommContext, tensor: torch.Tensor, src: int, kind: CommKind, label: str = "",
-              dim: Dim = Dim.SHARD, *, counted: bool = False) -> PendingComm:
+              dim: Dim = Dim.SHARD) -> PendingComm:
     """Broadcast ``tensor`` in place from index ``src`` along ``dim`` (asynchronously).
 
-    Over a dimension of size 1 nothing moves and nothing is counted (``counted``: the caller did)."""
+    Over a dimension of size 1 nothing moves and nothing is counted."""
     if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    if not counted:
-        ctx.counter.record(kind, tensor, dim.value)
+    ctx.counter.record(kind, tensor, dim.value)
     with record_function(f"dmuon::broadcast[{dim.value}] ({label})"):
         work = dist.broadcast(tensor, src=ctx.global_rank(dim, src), group=ctx.groups[dim], async_op=True)
     return PendingComm(work, tensor)
 
 
 def reduce_avg(ctx: CommContext, tensor: torch.Tensor, dst: int, kind: CommKind, label: str = "",
-               dim: Dim = Dim.SHARD, *, counted: bool = False) -> PendingComm:
+               dim: Dim = Dim.SHARD) -> PendingComm:
     """Average ``tensor`` along ``dim`` into index ``dst`` (asynchronously).
 
-    Only the destination's buffer is meaningful afterwards; some backends overwrite the others'
-    (``counted``: the caller counted it).
+    Only the destination's buffer is meaningful afterwards; some backends overwrite the others'.
     """
     if ctx.size(dim) == 1:
         return PendingComm(None, tensor)
-    if not counted:
-        ctx.counter.record(kind, tensor, dim.value)
+    ctx.counter.record(kind, tensor, dim.value)
     with record_function(f"dmuon::reduce[{dim.value}] ({label})"):
         work = dist.reduce(tensor, dst=ctx.global_rank(dim, dst), op=dist.ReduceOp.AVG, group=ctx.groups[dim],
                            async_op=True)
@@ -366,16 +363,18 @@ def reduce_avg(ctx: CommContext, tensor: torch.Tensor, dst: int, kind: CommKind,
 # non-empty part stays one broadcast (reduce).
 def _parts_payload(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind, dim: Dim, label: str,
                    verb: str) -> tuple[int, int] | None:
-    """``(this index, the one non-empty index or -1)`` and the count of the launch, or ``None`` when nothing
-    moves (a dimension of size 1, or every part empty)."""
+    """``(this index, the one non-empty index or -1)``, or ``None`` when nothing moves (a dimension of size 1,
+    or every part empty). Counts the launch unless one part moves: :func:`broadcast` / :func:`reduce_avg`
+    count that one."""
     if len(parts) != ctx.size(dim):
         raise_internal(f"{verb} ({label}): {len(parts)} parts for a {dim.value} group of {ctx.size(dim)} ranks")
     full = [i for i, p in enumerate(parts) if p.numel() > 0]
     if ctx.size(dim) == 1 or not full:
         return None
-    total = sum(p.numel() for p in parts)
-    ctx.counter.record(kind, parts[full[0]], dim.value, numel=total)
-    return ctx.index(dim), (full[0] if len(full) == 1 else -1)
+    if len(full) == 1:
+        return ctx.index(dim), full[0]
+    ctx.counter.record(kind, parts[full[0]], dim.value, numel=sum(p.numel() for p in parts))
+    return ctx.index(dim), -1
 
 
 def gather_parts(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind, label: str = "",
@@ -388,7 +387,7 @@ def gather_parts(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind
         return PendingComm(None, parts[0])
     me, only = found
     if only >= 0:
-        return broadcast(ctx, parts[only], only, kind, label, dim, counted=True)
+        return broadcast(ctx, parts[only], only, kind, label, dim)
     group = ctx.groups[dim]
     with record_function(f"dmuon::all_gather[{dim.value}] ({label})"):
         if len({p.numel() for p in parts}) == 1 or _gathers_uneven(ctx, dim):
@@ -419,7 +418,7 @@ def reduce_parts(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind
         return PendingComm(None, parts[0])
     me, only = found
     if only >= 0:
-        return reduce_avg(ctx, parts[only], only, kind, label, dim, counted=True)
+        return reduce_avg(ctx, parts[only], only, kind, label, dim)
     with record_function(f"dmuon::reduce_scatter[{dim.value}] ({label})"):
         work = dist.reduce_scatter(parts[me], list(parts), op=dist.ReduceOp.AVG, group=ctx.groups[dim],
                                    async_op=True)
