@@ -303,7 +303,7 @@ class BoundaryGroup:
                 self.sync_holders(b)
             else:
                 flat.untyped_storage().resize_(b.nbytes())
-        for launch in self._launches:
+        for launch in self._launches if self.ctx.shard_size > 1 else ():  # one shard: every rank holds all
             parts = self._parts(self.ctx.shard_size, {b.column: b.buffer() for b in launch}, launch[0].buffer())
             self._pending_unshard.append(C.gather_parts(self.ctx, parts, kind, self.fqn))
         self.state = GroupState.UNSHARDING
