@@ -27,7 +27,8 @@ from .errors import raise_internal
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
-    "reduce_parts", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object", "broadcast_object",
+    "reduce_parts", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object",
+    "broadcast_object",
 ]
 
 

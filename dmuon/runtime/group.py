@@ -19,16 +19,15 @@ own holder over its shard group. Gradients reduce in two stages: over the shard 
 holder, then over the replicate group to the owner (net divisor: the world size). After ``step()`` the
 owners publish the new tensors to the other holders over the replicate group (every owner row's segment of
 a bucket in one launch), asynchronously by default; a bucket's next gather first waits for that publish,
-and so does the first read of a holder's
-copy before that ([Note: guarded parameters] in ``dmuon/runtime/guard.py``). A 1-D mesh is the one-row
-grid: every holder is the owner and the replicate stages vanish.
+and so does the first read of a holder's copy before that ([Note: guarded parameters] in
+``dmuon/runtime/guard.py``). A 1-D mesh is the one-row grid: every holder is the owner and the replicate
+stages vanish.
 
 [Note: gradients]
 The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
 the module ran twice or under activation checkpointing). When every parameter of the group has one, the
 gradients of each bucket are concatenated and reduced (average) to the bucket's owner, every bucket of the
-boundary in one launch; everybody drops
-the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
+boundary in one launch; everybody drops the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
 without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
 reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
 
