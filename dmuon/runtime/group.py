@@ -27,9 +27,9 @@ stages vanish.
 The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
 the module ran twice or under activation checkpointing). When every parameter of the group has one, the
 gradients of each bucket are concatenated and reduced (average) to the bucket's owner, every bucket of the
-boundary in one launch; everybody drops the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
-without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
-reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
+boundary in one launch; everybody drops the local gradient at once. A gradient the owner already holds
+from an earlier reduce (accumulation without ``no_sync``) is set aside before autograd accumulates into it
+and added back after the next reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
 
     EMPTY --(no_sync backward)--> UNSYNCED --(backward outside no_sync)--> READY --(bucket reduce
     issued)--> REDUCING --(reduce done)--> REDUCED on the owner / EMPTY elsewhere
