@@ -29,7 +29,8 @@ the module ran twice or under activation checkpointing). When every parameter of
 gradients of each bucket are concatenated and reduced (average) to the bucket's owner, every bucket of the
 boundary in one launch; everybody drops the local gradient at once. A gradient the owner already holds
 from an earlier reduce (accumulation without ``no_sync``) is set aside before autograd accumulates into it
-and added back after the next reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
+and added back after the next reduce, so it is never averaged twice. Per matrix, that cycle is
+:class:`~dmuon.runtime.param.GradState`:
 
     EMPTY --(no_sync backward)--> UNSYNCED --(backward outside no_sync)--> READY --(bucket reduce
     issued)--> REDUCING --(reduce done)--> REDUCED on the owner / EMPTY elsewhere
