@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,3 +105,46 @@ def test_the_planner_counts_one_launch_per_boundary_and_phase(world, replicas):
         assert calls[phase] == shape.layers, (phase, calls)
     if replicas > 1:  # a column's holders: one launch per boundary they hold a bucket of
         assert 0 < calls["dmuon replicate reduce"] == calls["dmuon replicate publish"] <= shape.layers, calls
+
+
+def _parts_job(rank: int, world: int) -> dict:
+    """``gather_parts`` / ``reduce_parts`` on parts of unequal sizes (empty ones too) against one
+    ``torch.distributed`` broadcast / reduce (AVG) per part, and the launches each counts."""
+    from dmuon.runtime import comm as C
+
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    ctx = C.CommContext.from_meshes(mesh, None, C.CommCounter())
+    sizes = [0 if i == 1 else 3 + 5 * i for i in range(world)]  # index 1 owns nothing here
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(10 + rank)
+        mine = [(torch.randn(n, generator=gen) * 10 ** (rank % 3)).to(dtype).to(device()) for n in sizes]
+        # the oracle: one collective per part, from / to its index
+        gathered = [mine[i].clone() if i == rank else torch.empty(n, dtype=dtype, device=device())
+                    for i, n in enumerate(sizes)]
+        for i, t in enumerate(gathered):
+            if t.numel():
+                dist.broadcast(t, src=i)
+        reduced = [t.clone() for t in mine]
+        for i, t in enumerate(reduced):
+            if t.numel():
+                dist.reduce(t, dst=i, op=dist.ReduceOp.AVG)
+        parts = [mine[i].clone() if i == rank else torch.full((n,), float("nan"), dtype=dtype, device=device())
+                 for i, n in enumerate(sizes)]
+        C.wait(C.gather_parts(ctx, parts, C.CommKind.FORWARD_BROADCAST))
+        red = [t.clone() for t in mine]
+        C.wait(C.reduce_parts(ctx, red, C.CommKind.REDUCE))
+        out[str(dtype)] = {"gather": all(torch.equal(a, b) for a, b in zip(parts, gathered)),
+                           "reduce": torch.equal(red[rank], reduced[rank])}
+    counts = ctx.counter.as_dict()
+    out["calls"] = (counts["forward_broadcast"]["calls"], counts["reduce"]["calls"])
+    out["elements"] = (counts["forward_broadcast"]["elements"], sum(sizes) * 2)
+    return out
+
+
+def test_one_launch_moves_what_one_collective_per_owner_moved_bit_for_bit():
+    for rank, res in enumerate(run_distributed(_parts_job, 3)):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert res[dtype] == {"gather": True, "reduce": True}, (rank, dtype, res)
+        assert res["calls"] == (2, 2), res  # one launch per call, per dtype
+        assert res["elements"][0] == res["elements"][1], res  # the payload, without the padding gloo needs
