@@ -9,6 +9,9 @@ buffer) and their bytes (which tell dtypes apart: a bf16 model's reduce with
 ``reduce_dtype=torch.float32`` moves 4 bytes per element, its broadcasts 2), identical on every rank of
 the collective. For dedicated parameters of total size P, one training step therefore shows
 ``forward_broadcast == P``, ``backward_broadcast == P`` under Z3 (0 under Z2) and ``reduce == P``.
+``calls`` are launches: every owner of a boundary shares one per phase, so a 1-D step shows one
+``forward_broadcast``, one ``reduce`` and under Z3 one ``backward_broadcast`` per boundary, whatever the
+world size.
 
 Example::
 

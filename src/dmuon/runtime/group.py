@@ -2,8 +2,10 @@
 
 A :class:`BoundaryGroup` keeps, per owner rank and dtype, one flat *bucket* buffer. Every dedicated
 parameter of the bucket is an ``nn.Parameter`` whose ``.data`` is a view into that buffer, so one
-broadcast fills all of them and freeing the buffer's storage frees all of them, while the parameter
-objects (and autograd's saved views of them) stay the same.
+transfer fills all of them and freeing the buffer's storage frees all of them, while the parameter
+objects (and autograd's saved views of them) stay the same. Every owner's bucket of a boundary moves in one
+launch per phase and dtype ([Note: one launch per boundary] in ``dmuon/runtime/comm.py``): the forward
+gather, the backward gather (Z3), the gradient reduce, and under HSDP the replicate reduce and publish.
 
 [Note: why the storage is resized instead of swapping ``.data``]
 Autograd saves views of a weight for backward. Swapping ``p.data`` would leave the old buffer alive
@@ -12,21 +14,23 @@ broadcasting into it refills exactly what the saved views read.
 
 [Note: HSDP]
 Owners are slots of a (replicate x shard) grid. Every rank of the owner's shard *column* (same shard
-index, every replicate row) is a *holder* and keeps the full tensor, so each row broadcasts it from its
+index, every replicate row) is a *holder* and keeps the full tensor, so each row gathers it from its
 own holder over its shard group. Gradients reduce in two stages: over the shard group to the row's
 holder, then over the replicate group to the owner (net divisor: the world size). After ``step()`` the
-owner publishes the new tensor to the other holders over the replicate group, asynchronously by
-default; a bucket's next broadcast first waits for that publish, and so does the first read of a holder's
-copy before that ([Note: guarded parameters] in ``dmuon/runtime/guard.py``). A 1-D mesh is the one-row
-grid: every holder is the owner and the replicate stages vanish.
+owners publish the new tensors to the other holders over the replicate group (every owner row's segment of
+a bucket in one launch), asynchronously by default; a bucket's next gather first waits for that publish,
+and so does the first read of a holder's copy before that ([Note: guarded parameters] in
+``dmuon/runtime/guard.py``). A 1-D mesh is the one-row grid: every holder is the owner and the replicate
+stages vanish.
 
 [Note: gradients]
 The post-accumulate-grad hook hands us the local gradient of a parameter once per backward (also when
 the module ran twice or under activation checkpointing). When every parameter of the group has one, the
-gradients of each bucket are concatenated and reduced (average) to the bucket's owner; everybody drops
-the local gradient at once. A gradient the owner already holds from an earlier reduce (accumulation
-without ``no_sync``) is set aside before autograd accumulates into it and added back after the next
-reduce, so it is never averaged twice. Per matrix, that cycle is :class:`~dmuon.runtime.param.GradState`:
+gradients of each bucket are concatenated and reduced (average) to the bucket's owner, every bucket of the
+boundary in one launch; everybody drops the local gradient at once. A gradient the owner already holds
+from an earlier reduce (accumulation without ``no_sync``) is set aside before autograd accumulates into it
+and added back after the next reduce, so it is never averaged twice. Per matrix, that cycle is
+:class:`~dmuon.runtime.param.GradState`:
 
     EMPTY --(no_sync backward)--> UNSYNCED --(backward outside no_sync)--> READY --(bucket reduce
     issued)--> REDUCING --(reduce done)--> REDUCED on the owner / EMPTY elsewhere
@@ -40,7 +44,7 @@ fields; this file decides *when* (per bucket), ``dmuon/runtime/hooks.py`` feeds 
 Three dtypes per dedicated matrix, all fixed by ``dedicate_params``:
 
 * ``dtype``: the parameter's own dtype, what state dicts hold;
-* ``compute_dtype``: what the module computes with and what broadcasts carry (``param_dtype``, default
+* ``compute_dtype``: what the module computes with and what the gathers carry (``param_dtype``, default
   ``dtype``). When it differs, the ``nn.Parameter`` is the compute copy and the owner keeps the value in
   ``dtype`` as ``DedicatedParam.master`` (FSDP2's sharded fp32 parameter vs. its unsharded bf16 one);
 * the reduce dtype (``reduce_dtype``, default ``compute_dtype``): local gradients are cast to it before
@@ -80,25 +84,24 @@ class GroupState(enum.Enum):
     UNSHARDING = "unsharding"
     #: Every rank holds the full weights (during forward; kept until backward under Z2).
     UNSHARDED = "unsharded"
-    #: Gradient reduces are in flight; non-holders already dropped weights and gradients.
+    #: The gradient reduce is in flight; non-holders already dropped weights and gradients.
     REDUCING = "reducing"
 
 
 @dataclass(eq=False)
 class Bucket:
     """The dedicated params of one boundary whose owners share a shard column (on a 1-D mesh: one
-    owner) and a dtype: one broadcast and one shard-group reduce each. Params are ordered by owner row,
-    so each owner's params form one contiguous *segment* for the replicate-group collectives."""
+    owner) and a dtype: one part of the boundary's gathers and shard-group reduce. Params are ordered by
+    owner row, so each owner's params form one contiguous *segment*: its part of the replicate-group
+    collectives."""
 
-    #: Shard index of the holders: the source of the row broadcasts, the target of the row reduce.
+    #: Shard index of the holders: the source of the row gathers' part, the target of the row reduce's.
     column: int
     params: list[DedicatedParam]
     offsets: list[int]
     numel: int
     #: Flat buffer the params view into; its storage is 0 bytes on non-holders while sharded.
     flat: torch.Tensor | None = None
-    #: In-flight gradient reduce (stage 1): the buffer and the params it covers, in buffer order.
-    pending_reduce: tuple[C.PendingComm, list[DedicatedParam]] | None = None
     #: World size 1: the local gradients themselves, nothing to average (no concatenation copy).
     pending_local: tuple[list[torch.Tensor], list[DedicatedParam]] | None = None
     #: In-flight publishes of updated weights over the replicate group (holders only). While any is, the
@@ -196,8 +199,19 @@ class BoundaryGroup:
         #: Called for each owned param whose ``.grad`` just received a reduced gradient (set by the
         #: model state: it arms the stash hook).
         self.on_grad_reduced: Callable[[DedicatedParam], None] | None = None
+        #: the buckets of each compute dtype, in bucket order: one launch each per phase
+        self._launches: list[list[Bucket]] = []
+        for b in self.buckets:
+            same = [ln for ln in self._launches if ln[0].params[0].compute_dtype == b.params[0].compute_dtype]
+            if same:
+                same[0].append(b)
+            else:
+                self._launches.append([b])
         self._bound = False
         self._pending_unshard: list[C.PendingComm] = []
+        #: the in-flight gradient reduce (stage 1), one launch per reduce dtype, with what each covers: every
+        #: bucket's buffer and the params it holds, in buffer order
+        self._pending_reduce: list[tuple[C.PendingComm, list[tuple[Bucket, torch.Tensor, list[DedicatedParam]]]]] = []
 
     def _assert_in(self, op: str, *states: GroupState) -> None:
         if self.state not in states:
@@ -209,6 +223,11 @@ class BoundaryGroup:
     def is_holder(self, b: Bucket) -> bool:
         """Whether this rank keeps ``b``'s full weights (it sits in the owners' shard column)."""
         return self.ctx.shard_index == b.column
+
+    @staticmethod
+    def _parts(size: int, parts: dict[int, torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
+        """One launch's parts along a dimension of ``size``: ``parts[i]`` at index ``i``, empty elsewhere."""
+        return [parts[i] if i in parts else like.new_empty(0) for i in range(size)]
 
     # ------------------------------------------------------------------ #
     # Binding (parameters <-> bucket buffers)                              #
@@ -269,7 +288,7 @@ class BoundaryGroup:
     # Unshard / reshard                                                    #
     # ------------------------------------------------------------------ #
     def unshard(self, kind: CommKind) -> None:
-        """Allocate non-owner buffers and start one broadcast per bucket (SHARDED -> UNSHARDING).
+        """Allocate non-owner buffers and start one gather of every bucket per dtype (SHARDED -> UNSHARDING).
 
         REDUCING finishes the reduce first; UNSHARDING / UNSHARDED (prefetched, or Z2 copies kept for
         backward) have nothing to issue."""
@@ -284,7 +303,9 @@ class BoundaryGroup:
                 self.sync_holders(b)
             else:
                 flat.untyped_storage().resize_(b.nbytes())
-            self._pending_unshard.append(C.broadcast(self.ctx, flat, b.column, kind, self.fqn))
+        for launch in self._launches if self.ctx.shard_size > 1 else ():  # one shard: every rank holds all
+            parts = self._parts(self.ctx.shard_size, {b.column: b.buffer() for b in launch}, launch[0].buffer())
+            self._pending_unshard.append(C.gather_parts(self.ctx, parts, kind, self.fqn))
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -367,12 +388,13 @@ class BoundaryGroup:
                 self._issue_publish(b)
 
     def _issue_publish(self, b: Bucket) -> None:
-        """One broadcast per owner row of ``b`` over the replicate group, from that row's owner."""
+        """One gather of ``b``'s owner rows over the replicate group: each row's owner sends its segment."""
         flat = b.buffer()
         self.wait_publish(b)
-        for row, start, end in _segments(b.params, self.ctx.shard_size):
-            b.pending_publish.append(C.broadcast(self.ctx, flat[start:end], row, CommKind.REPLICATE_PUBLISH,
-                                                 self.fqn, dim=C.Dim.REPLICATE))
+        segments = {row: flat[start:end] for row, start, end in _segments(b.params, self.ctx.shard_size)}
+        parts = self._parts(self.ctx.replicate_size, segments, flat)
+        b.pending_publish.append(C.gather_parts(self.ctx, parts, CommKind.REPLICATE_PUBLISH, self.fqn,
+                                                dim=C.Dim.REPLICATE))
         b.stale = False
         self._sync_bucket(b)
 
@@ -415,14 +437,15 @@ class BoundaryGroup:
         return rd if rd is not None and is_wider(rd, dp.compute_dtype) else None
 
     def reduce_grads(self) -> None:
-        """Start one reduce per bucket for the gradients handed over so far; drop local copies
-        (-> REDUCING; a reduce still in flight from an earlier backward is finished first).
+        """Start one reduce of every bucket per reduce dtype for the gradients handed over so far; drop local
+        copies (-> REDUCING; a reduce still in flight from an earlier backward is finished first).
 
         Params without a local gradient (unused in this backward) are left out; parameter usage must be
         the same on every rank, as for FSDP2's reduce-scatter.
         """
         if self.state is GroupState.REDUCING:
             self.finish_reduce()
+        launches: dict[torch.dtype, list[tuple[Bucket, torch.Tensor, list[DedicatedParam]]]] = {}
         for b in self.buckets:
             ready = [dp for dp in b.params if dp.local_grad is not None]
             if not ready:
@@ -436,13 +459,16 @@ class BoundaryGroup:
             # one param: its own gradient is the buffer (dmuon took it from .grad; nobody else holds it), so
             # no copy; with W ranks a bucket usually holds one matrix, so this is most buckets at scale
             flat_grad = torch.cat(flats) if len(flats) > 1 else flats[0]
-            b.pending_reduce = (C.reduce_avg(self.ctx, flat_grad, b.column, CommKind.REDUCE, self.fqn), ready)
+            launches.setdefault(dtype, []).append((b, flat_grad, ready))
+        for entries in launches.values():  # in bucket order: the same on every rank
+            parts = self._parts(self.ctx.shard_size, {b.column: g for b, g, _ in entries}, entries[0][1])
+            self._pending_reduce.append((C.reduce_parts(self.ctx, parts, CommKind.REDUCE, self.fqn), entries))
         self.backward_pending = False
         self.reshard()
         self.state = GroupState.REDUCING
 
     def finish_reduce(self) -> None:
-        """Wait for the row reduces; holders reduce over the replicate group (HSDP); each owner's params
+        """Wait for the row reduce; holders reduce over the replicate group (HSDP); each owner's params
         get the averaged gradient (REDUCING -> SHARDED). Any other state: nothing in flight."""
         if self.state is not GroupState.REDUCING:
             return
@@ -452,10 +478,11 @@ class BoundaryGroup:
                 b.pending_local = None
                 for dp, grad in zip(ready, grads):
                     self._deliver(dp, grad)
-            if b.pending_reduce is not None:
-                pending, ready = b.pending_reduce
-                b.pending_reduce = None
-                self._finish_bucket_reduce(b, C.wait(pending), ready)
+        in_flight, self._pending_reduce = self._pending_reduce, []
+        for pending, entries in in_flight:
+            C.wait(pending)
+            for b, flat_grad, ready in entries:
+                self._finish_bucket_reduce(b, flat_grad, ready)
         self.state = GroupState.SHARDED
 
     def _finish_bucket_reduce(self, b: Bucket, flat_grad: torch.Tensor, ready: list[DedicatedParam]) -> None:
@@ -463,12 +490,10 @@ class BoundaryGroup:
             for dp in ready:
                 dp.release()
             return
-        stage2 = [
-            C.reduce_avg(self.ctx, flat_grad[start:end], row, CommKind.REDUCE, self.fqn, dim=C.Dim.REPLICATE)
-            for row, start, end in _segments(ready, self.ctx.shard_size)
-        ]
-        for p2 in stage2:
-            C.wait(p2)
+        # stage 2: every owner row's segment in one launch over the replicate group
+        segments = {row: flat_grad[start:end] for row, start, end in _segments(ready, self.ctx.shard_size)}
+        C.wait(C.reduce_parts(self.ctx, self._parts(self.ctx.replicate_size, segments, flat_grad), CommKind.REDUCE,
+                              self.fqn, dim=C.Dim.REPLICATE))
         off = 0
         for dp in ready:
             n = dp.shape.numel()

@@ -2,16 +2,17 @@
 
 Lifecycle of one step (1-D mesh), as driven from here:
 
-1. pre-forward of a boundary: (re)bind parameters if ``to_empty`` replaced them, start the broadcast of
-   each owner bucket (``BoundaryGroup.unshard``), start the broadcast of the boundary expected to run
-   next (prefetch, see below), then wait for this boundary's own (``wait_for_unshard``). A boundary that
-   was prefetched only waits.
+1. pre-forward of a boundary: (re)bind parameters if ``to_empty`` replaced them, start the gather of
+   every owner's bucket, one launch ([Note: one launch per boundary] in ``dmuon/runtime/comm.py``;
+   ``BoundaryGroup.unshard``), start the gather of the boundary expected to run next (prefetch, see
+   below), then wait for this boundary's own (``wait_for_unshard``). A boundary that was prefetched only
+   waits.
 2. post-forward: with grad enabled, register a pre-backward hook on the outputs and, under Z3, free the
    non-owner copies; without grad (eval, ``torch.no_grad``), free them since no backward will come.
 3. pre-backward (hook on the outputs' gradients): broadcast again if the copies were freed, and prefetch
    the boundary expected to run backward next (Z3).
 4. post-accumulate-grad of each dedicated param: hand the local gradient to the group; once all are in,
-   reduce each bucket to its owner and free non-owner weights.
+   reduce every bucket to its owner in one launch and free non-owner weights.
 5. end of backward (an autograd-engine callback): reduce whatever unused parameters left pending, free
    leftover copies (including a prefetch whose backward never came), finish the reduces (each owner's
    ``.grad`` holds the average when ``backward()`` returns), average gradients of plain replicated

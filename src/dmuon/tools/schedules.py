@@ -5,8 +5,10 @@ The designs (:data:`DESIGNS`):
 * ``fsdp_adamw``: FSDP2 per layer + root, AdamW on everything: the baseline every overhead is against.
 * ``dmuon``: persistent ownership (``docs/architecture.md`` section 5): FSDP2 keeps only the params outside
   Muon; each Muon matrix's owner broadcasts it to its shard group before its boundary runs (forward, and
-  again in backward under Z3) and receives its gradient by reduce; under HSDP the owner's shard column
-  holds it, the column reduces over the replicate group and the owner publishes after ``step()``. The owner
+  again in backward under Z3) and receives its gradient by reduce, every owner of a boundary in one launch
+  per phase (NCCL's broadcasts or reduces grouped: the bytes of one per owner, one call's latency); under
+  HSDP the owner's shard column holds it, the column reduces over the replicate group and the owner
+  publishes after ``step()``, one launch per boundary each. The owner
   plan is :func:`dmuon.partition.assign_owners` over every (replicate, shard) slot, experts preloaded where
   FSDP2 / expert parallelism put them (``Route.MUON_SHARDED``).
 * ``distmuon`` and ``dion``: the all-to-all design (torchtitan's DistMuon, microsoft/dion's Muon, Megatron's
@@ -159,12 +161,12 @@ def _dmuon_ns(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, slot: int) -> float
     return dense + _expert_ns(sc, sz, sc.ns_backend, count, per_param=False) / sc.tp
 
 
-def _buckets(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]:
-    """Broadcast calls of one pass (per boundary, one per owner column) and the (boundary, owner) buckets
-    of each shard column."""
-    pairs = {(layer, plan.owners[fqn]) for fqn, _, layer in sz.muon}
-    per_row = len({(layer, owner % shard) for layer, owner in pairs})
-    return per_row, Counter(owner % shard for _, owner in pairs)
+def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]:
+    """Launches of one pass over the shard group (one per boundary, whatever its owners: [Note: one launch per
+    boundary] in ``dmuon/runtime/comm.py``) and, per shard column, the boundaries it holds a bucket of (its
+    replicate-group launches)."""
+    pairs = {(layer, plan.owners[fqn] % shard) for fqn, _, layer in sz.muon}
+    return len({layer for layer, _ in pairs}), Counter(column for _, column in pairs)
 
 
 def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
@@ -176,7 +178,7 @@ def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
     g = _groups(sc)
     root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
     colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
-    calls, columns = _buckets(sz, plan, S)
+    calls, columns = _launches(sz, plan, S)
     nb = sz.muon_elements * b / T
     colls.append(_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L))
     if sc.reshard == "z3":
