@@ -144,8 +144,10 @@ class CommContext:
     @property
     def spans_job(self) -> bool:
         """Whether dmuon's grid holds every rank of the job: so except under tensor parallelism, where there is
-        one grid per tp index. The agreement collectives below (small gathers and sums that every rank must
-        see alike) run over dmuon's world group when it does, over the default group when not."""
+        one grid per tp index, and under pipeline parallelism, where the grid is one stage's data-parallel ranks
+        ([Note: pipeline stages] in ``topology.py``). The agreement collectives below (small gathers and sums
+        that every rank must see alike: the clip norm sums every stage's share) run over dmuon's world group
+        when it does, over the default group when not."""
         return self.world_size == dist.get_world_size()
 
     @property
@@ -181,8 +183,8 @@ class CommContext:
         me = dist.get_rank()
         row = tuple(int(r) for r in shard_mesh.mesh.flatten().tolist())
         col = tuple(int(r) for r in replicate_mesh.mesh.flatten().tolist()) if replicate_mesh is not None else (me,)
-        # Tensor parallelism: one grid of data-parallel ranks per tp index (the ranks whose shard and replicate
-        # meshes cover only part of the world). Every rank learns every grid, so that each creates every group
+        # Tensor parallelism: one grid of data-parallel ranks per tp index; pipeline parallelism: one per stage
+        # (the ranks whose shard and replicate meshes cover only part of the world). Every rank learns every grid, so that each creates every group
         # in the same order: new_group is collective over the default group.
         views: list[object] = [None] * dist.get_world_size()
         if len(row) * len(col) == dist.get_world_size() and replicate_mesh is None:
@@ -358,7 +360,8 @@ def wait(pending: PendingComm) -> torch.Tensor:
 
 
 def _job_group(ctx: CommContext) -> dist.ProcessGroup | None:
-    """The group of every rank of the job: dmuon's world group, or under TP the default group (``None``)."""
+    """The group of every rank of the job: dmuon's world group, or under TP and across pipeline stages the
+    default group (``None``)."""
     return ctx.groups[Dim.WORLD] if ctx.spans_job else None
 
 

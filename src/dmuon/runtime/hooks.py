@@ -49,6 +49,7 @@ from .guard import TrainingPass, guard_modules, in_backward
 from .param import DedicatedParam, GradState
 from .prefetch import Prefetcher
 from .replicated import all_reduce_replicated_grads
+from .topology import Topology
 
 __all__ = ["DMuonState", "get_state", "STATE_ATTR"]
 
@@ -77,9 +78,12 @@ class DMuonState:
     """Everything ``dedicate_params`` built for one model: its groups, settings and hooks."""
 
     def __init__(self, model: nn.Module, ctx: C.CommContext, config: RuntimeConfig,
-                 groups: list[tuple[nn.Module, BoundaryGroup]]):
+                 groups: list[tuple[nn.Module, BoundaryGroup]], *, topology: Topology | None = None):
         self.model = model
         self.ctx = ctx
+        #: The job's pipeline stages and this model's ([Note: pipeline stages] in ``topology.py``); one stage
+        #: of dmuon's grid when not given.
+        self.topology = topology if topology is not None else Topology((tuple(sorted(ctx.global_ranks)),), 0)
         #: The settings of ``dedicate_params``, the one copy every part reads.
         self.config = config
         self.modules_and_groups = groups
