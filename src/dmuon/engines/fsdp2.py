@@ -203,6 +203,12 @@ class FSDP2(Engine):
         flag = getattr(group, "reduce_grads", None)
         return flag if isinstance(flag, bool) else None
 
+    def reshard_after_backward(self) -> bool:
+        """FSDP2's own setting (``set_reshard_after_backward``; torch's pipelining schedules turn it off for every
+        microbatch's backward and on again in their final reduce)."""
+        flag = getattr(self._sync_switch(), "reshard_after_backward", True)
+        return flag if isinstance(flag, bool) else True
+
     def _sync_switch(self) -> Any:
         """The first FSDP2 param group (``set_requires_gradient_sync`` writes every one alike); found once."""
         if not self._switch_looked_up:

@@ -97,6 +97,10 @@ class DMuonState:
         #: Set by the binding where the engine decides the accumulation boundary itself (DeepSpeed): whether
         #: the running backward closes the window (``None``: no opinion, ``no_sync`` decides).
         self.accumulation_boundary: Callable[[], bool | None] = _no_opinion
+        #: Set by the binding: whether a backward that kept its gradients local frees the copies it gathered
+        #: (``False`` where the engine keeps its own gathered for the next microbatch: FSDP2 under torch's
+        #: pipelining schedules; then the next forward or backward of the group broadcasts nothing).
+        self.reshard_after_backward: Callable[[], bool] = _reshard
         #: Set by ``dedicate_params``: binds the engine at the first forward when nothing bound it before, so
         #: plain params are averaged whether or not an optimizer was built.
         self.bind_engine: Callable[[], Any] | None = None
@@ -326,12 +330,13 @@ class DMuonState:
         self.end_pass()
         self.prefetcher.reset_backward()
         sync = self.syncing()
+        keep = not sync and not self.reshard_after_backward()  # the engine keeps its weights for the next microbatch
         for g in self.groups:  # also releases a backward prefetch whose backward never came
             if sync:
                 self._hand_over_unsynced(g)
             if sync and g.any_grad_ready():
                 g.reduce_grads()
-            elif g.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
+            elif g.state is GroupState.UNSHARDING or (g.state is GroupState.UNSHARDED and not keep):
                 g.backward_pending = False
                 g.reshard()
         if sync:
@@ -416,6 +421,11 @@ class DMuonState:
 def _no_opinion() -> None:
     """The accumulation boundary of an engine that leaves it to ``no_sync``."""
     return None
+
+
+def _reshard() -> bool:
+    """Copies gathered for an accumulation step's backward are freed when it ends (no engine bound yet)."""
+    return True
 
 
 def _placed_like(p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
