@@ -101,7 +101,7 @@ def run_scenario(mesh, sc: Scenario) -> dict:
     schedule = _schedule(sc.schedule)(pipe, n_microbatches=sc.microbatches, loss_fn=loss_fn,
                                       scale_grads=sc.accum == 1)
     per = GLOBAL_BATCH // dp
-    losses, norms, reduces = [], [], []
+    losses, norms, clipped, reduces = [], [], [], []
     for tok, tgt in batches(sc.steps):
         tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
         dmuon.diagnostics.reset_comm_counts(model)
@@ -113,9 +113,12 @@ def run_scenario(mesh, sc: Scenario) -> dict:
             if pipe.is_first:
                 schedule.step(tok[part])
             else:
-                schedule.step(target=tgt[part], losses=mb)
-        if sc.max_norm is not None:
+                out: list[torch.Tensor] = []  # the schedule refills the list it is given
+                schedule.step(target=tgt[part], losses=out)
+                mb.extend(out)
+        if sc.max_norm is not None:  # the norm, then the norm of what clipping left (a second clip that scales by 1)
             norms.append(dmuon.clip_grad_norm_(model, sc.max_norm).item())
+            clipped.append(dmuon.clip_grad_norm_(model, 1e30).item())
         opt.step()
         counts = dmuon.diagnostics.comm_counts(model)
         reduces.append((counts["reduce"]["elements"], counts["reduce"]["calls"],
@@ -123,8 +126,8 @@ def run_scenario(mesh, sc: Scenario) -> dict:
         if mb:  # the mean loss of this rank's microbatches (each already divided by accum)
             losses.append(sum(x.item() for x in mb) * (sc.accum if sc.accum > 1 else 1) / scale)
     P = sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
-    return {"losses": losses, "norms": norms, "weights": full_weights(model), "reduces": reduces, "P": P,
-            "dp": dp, "pp_rank": pp_rank}
+    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": full_weights(model), "reduces": reduces,
+            "P": P, "dp": dp, "pp_rank": pp_rank}
 
 
 def pipeline_job(rank: int, world: int, pp: int, scenarios: list[Scenario],
@@ -147,7 +150,7 @@ def merge(results: list[dict], name: str) -> dict:
     weights: dict[str, torch.Tensor] = {}
     for r in runs:
         weights.update(r["weights"])
-    return {"losses": losses, "weights": weights, "norms": runs[0]["norms"]}
+    return {"losses": losses, "weights": weights, "norms": runs[0]["norms"], "clipped": runs[0]["clipped"]}
 
 
 def logits_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -162,7 +165,8 @@ def logits_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
 def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = False) -> dict:
     """The whole model on one process: ``torch.optim.Muon`` for the projections, ``torch.optim.AdamW`` for the
     rest, over the global batch. ``max_norm``: clipped by torch's ``clip_grad_norm_`` over every parameter, or
-    with ``per_stage_clip`` each stage's parameters by their own norm (the wrong variant)."""
+    with ``per_stage_clip`` each stage's parameters by their own norm (the wrong variant); ``"clipped"``: the
+    total norm of the gradients after clipping, each step."""
     torch.manual_seed(0)
     model = build_model()
     named = list(model.named_parameters())
@@ -172,7 +176,7 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
                              adjust_lr_fn=MUON_HP.adjust_lr_fn.value)
     opt_a = torch.optim.AdamW([p for n, p in named if not projection_predicate(n, p)], **ADAMW_HP.group_entries())
     stage_of = {n: (0 if n.startswith(("tok_embeddings", "layers.0.")) else 1) for n, _ in named}
-    losses, norms = [], []
+    losses, norms, clipped = [], [], []
     for tok, tgt in batches(steps):
         opt_m.zero_grad()
         opt_a.zero_grad()
@@ -183,9 +187,11 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
         elif max_norm is not None:
             for s in (0, 1):
                 torch.nn.utils.clip_grad_norm_([p for n, p in named if stage_of[n] == s], max_norm)
+        if max_norm is not None:
+            clipped.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for _, p in named])).item())
         opt_m.step()
         opt_a.step()
         losses.append(loss.item())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "weights": weights, "logits": logits_of(weights)}
+    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights, "logits": logits_of(weights)}
 
