@@ -196,7 +196,8 @@ def dedicate_params(
     dtypes = ([f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
               + [f"sharded {s.fqn} {s.blocks}" for s in v.sharded])
     fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest()
-    topology = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _links(v),
+    topology = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
+                                  _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
                                   v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v)))
 
     # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
@@ -272,6 +273,9 @@ class _Mine(NamedTuple):
     fingerprint: str
     #: the dedicated FQNs (ranks of one stage hold the same; two stages never share one)
     names: tuple[str, ...]
+    #: the ranks of this rank's shard row and replicate column (itself alone without HSDP)
+    row: tuple[int, ...]
+    col: tuple[int, ...]
     #: the ranks this rank's meshes name: its shard row, replicate column and tp ranks
     links: tuple[int, ...]
     #: HSDP or tensor parallelism (not yet with pipeline stages)
@@ -280,9 +284,12 @@ class _Mine(NamedTuple):
     widens: bool
 
 
+def _ranks(mesh: DeviceMesh | None) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist()) if mesh is not None else ()
+
+
 def _links(v: _Validated) -> tuple[int, ...]:
-    meshes = [m for m in (v.mesh, v.replicate_mesh, v.tp_mesh) if m is not None]
-    return tuple(sorted({int(r) for m in meshes for r in m.mesh.flatten().tolist()}))
+    return tuple(sorted({*_ranks(v.mesh), *_ranks(v.replicate_mesh), *_ranks(v.tp_mesh)}))
 
 
 def _widens(v: _Validated) -> bool:
@@ -305,6 +312,7 @@ def _agree(error: str | None, mine: _Mine | None) -> Topology:
     if failed or mine is None:
         return Topology.single(dist.get_world_size())
     by_rank: dict[int, _Mine] = {r: m for r, _, m in views}  # type: ignore[misc]
+    C.grids_from_views([(r, m.row, m.col) for r, m in by_rank.items()])  # a replicate mesh that is no grid
     topology = Topology.from_links([(r, m.links) for r, m in by_rank.items()], dist.get_rank())
     for ranks in topology.stages:
         _check_stage(ranks, by_rank)

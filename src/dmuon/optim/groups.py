@@ -36,7 +36,9 @@ and AdamW values (normalised as the records hold them, so ``adjust_lr_fn=None`` 
 stepped on every rank, and kernels round differently), QK-clip's ``tau`` and ``alpha`` and the head
 layouts it resolved, then each group's name, params, algorithm and values. :func:`agree` raises on every
 rank, naming the first setting that differs and each rank's value, before anything is built;
-``add_param_group`` compares its group the same way. Not compared: ``replicate_async`` (results are the
+``add_param_group`` compares its group the same way. Under pipeline parallelism the stages hold different
+params, so the groups and head layouts are compared within each stage and the rest over every rank
+([Note: pipeline stages] in ``dmuon/runtime/topology.py``). Not compared: ``replicate_async`` (results are the
 same either way) and QK-clip's ``log``. Nothing is compared per step: a scheduler changes ``lr`` by the
 same rule from the same state on every rank; a per-step gather would tax every step for the one case it
 could catch (a loop that edits a group on some ranks only).

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "all_reduce_avg",
-    "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object", "broadcast_object",
+    "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object", "broadcast_object", "grids_from_views",
 ]
 
 
@@ -191,7 +191,7 @@ class CommContext:
             views = [(r, row, (r,)) for r in row]  # plain data parallelism: nothing to gather
         else:
             dist.all_gather_object(views, (me, row, col))
-        grids = _grids_from_views(views)  # type: ignore[arg-type]
+        grids = grids_from_views(views)  # type: ignore[arg-type]
         groups: dict[Dim, dist.ProcessGroup | None] = {}
         mine: tuple[tuple[int, ...], ...] = ()
         for grid in grids:
@@ -224,7 +224,7 @@ def _new_grid_groups(grid: tuple[tuple[int, ...], ...], me: int, backend: str, t
     return groups if r_idx is not None else None
 
 
-def _grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
+def grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
     """The grids of data-parallel ranks (one per tp index; one without TP), in a fixed order, from every rank's
     (rank, shard-mesh ranks, replicate-mesh ranks); each checked by :func:`_grid_from_views`."""
     components: list[set[int]] = []  # ranks linked by a shard row or a replicate column: one grid each
