@@ -18,6 +18,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     reduce-scatter; for a ``DistributedDataParallel`` model, DDP's own ``no_sync``); every rank accumulates its
     local gradients. The first backward outside reduces the accumulated sum.
 
+    On an FSDP2 model dmuon also follows FSDP2's own switch, however it is set (``set_requires_gradient_sync``,
+    which torch's pipelining schedules turn off for every microbatch): the dedicated gradients then accumulate
+    too, and are reduced by the next synchronised backward, clip or ``step()``.
+
     Weights still travel (forward broadcast, and under Z3 the backward re-broadcast): only gradient
     traffic is deferred. Non-owner ranks hold full-size local gradients of dedicated params meanwhile
     (summed in ``dedicate_params(reduce_dtype=...)`` when that is wider than the params, as FSDP2 does).

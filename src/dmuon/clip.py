@@ -11,6 +11,10 @@ norm identical everywhere:
   FSDP2 DTensor's local shard counts, except where it is replicated along a mesh dimension (HSDP), where only
   coordinate 0 of that dimension counts; a plain gradient is the same on every rank after it was averaged,
   so only slot 0 counts it.
+
+Under pipeline parallelism each stage's ranks count their stage's share the same way, and the all-reduce runs
+over every rank of the job, so the norm is the whole model's and every stage scales by the same factor
+([Note: pipeline stages] in ``dmuon/runtime/topology.py``); every rank of every stage calls it.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
 from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local, splits_dim0_only
 from .runtime.route import REPLICATED_ATTR, Route
+from .runtime.topology import Topology
 from .selection import (DEFAULT_BOUNDARY_PATTERN, BlocksFn, Predicate, RouteFn, Selected, default_boundary,
                         engine_loads, plan_shape, select, tp_split)
 
@@ -194,14 +195,17 @@ def dedicate_params(
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
     dtypes = ([f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
               + [f"sharded {s.fqn} {s.blocks}" for s in v.sharded])
-    _agree(None, hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest())
+    fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest()
+    topology = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
+                                  _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
+                                  v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v)))
 
     # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
     ctx = C.CommContext.from_meshes(v.mesh, v.replicate_mesh, C.CommCounter())
     config, plan, selected, boundary_of, modules = v.config, v.plan, v.selected, v.boundary_of, v.modules
 
     # ---------------- mutation ---------------- #
-    state = _build_state(model, ctx, config, plan, selected, boundary_of, modules)
+    state = _build_state(model, ctx, config, plan, selected, boundary_of, modules, topology)
     state.tp_mesh = v.tp_mesh
     state.sharded_muon = {s.fqn: s.blocks for s in v.sharded}  # type: ignore[misc]
     for s in v.replicated:
@@ -209,7 +213,9 @@ def dedicate_params(
     setattr(model, STATE_ATTR, state)
     activate_installed_glue()
     line = plan.summary_line() + (f"; {len(v.sharded)} expert params on the engine's shards" if v.sharded else "")
-    if dist.get_rank() == 0:
+    if topology.pipelined:  # each stage's first rank says its own
+        line = line.replace("dmuon: ", f"dmuon: stage {topology.stage} of {len(topology.stages)}: ", 1)
+    if dist.get_rank() == topology.stage_ranks[0]:
         if verbose:
             print(line, flush=True)
         else:
@@ -260,22 +266,109 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
                       chosen.sharded, tp_mesh)
 
 
-def _agree(error: str | None, fingerprint: str | None) -> None:
-    """One gather over the default group: every rank's local verdict and plan fingerprint. A rank that
-    failed its checks makes every other rank raise too (it raises its own error), and ranks with
-    different plans all raise; nothing has changed anywhere yet."""
-    views = C.all_gather_default((dist.get_rank(), error, fingerprint))
+class _Mine(NamedTuple):
+    """What one rank tells the others at ``dedicate_params``' agreement (its verdict aside)."""
+
+    #: the owner plan, shapes, boundaries, settings and dtypes (must match within a stage)
+    fingerprint: str
+    #: the dedicated FQNs (ranks of one stage hold the same; two stages never share one)
+    names: tuple[str, ...]
+    #: the ranks of this rank's shard row and replicate column (itself alone without HSDP)
+    row: tuple[int, ...]
+    col: tuple[int, ...]
+    #: the ranks this rank's meshes name: its shard row, replicate column and tp ranks
+    links: tuple[int, ...]
+    #: HSDP or tensor parallelism (not yet with pipeline stages)
+    nd: bool
+    #: a reduce dtype wider than a compute dtype (not yet with pipeline stages)
+    widens: bool
+
+
+def _ranks(mesh: DeviceMesh | None) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist()) if mesh is not None else ()
+
+
+def _links(v: _Validated) -> tuple[int, ...]:
+    return tuple(sorted({*_ranks(v.mesh), *_ranks(v.replicate_mesh), *_ranks(v.tp_mesh)}))
+
+
+def _widens(v: _Validated) -> bool:
+    r = v.config.reduce_dtype
+    return r is not None and any(torch.finfo(r).bits > torch.finfo(v.config.param_dtype or s.param.dtype).bits
+                                 for s in v.selected)
+
+
+def _agree(error: str | None, mine: _Mine | None) -> Topology:
+    """One gather over the default group: every rank's local verdict, plan fingerprint and mesh links. A rank
+    that failed its checks makes every other rank raise too (it raises its own error); the links give the
+    pipeline stages ([Note: pipeline stages] in ``dmuon/runtime/topology.py``), within which every rank must
+    hold the same params and plan alike. Every rank decides from the same views, so all raise together, before
+    anything has changed anywhere."""
+    views = C.all_gather_default((dist.get_rank(), error, mine))
     failed = [(r, e) for r, e, _ in views if e is not None]  # type: ignore[misc]
     if failed and error is None:
         raise ValueError("dmuon.dedicate_params: refused on " + "; ".join(f"rank {r}: {e}" for r, e in failed)
                          + ". Nothing was changed on any rank.")
-    if failed:
-        return
-    digests = [fp for _, _, fp in views]  # type: ignore[misc]
+    if failed or mine is None:
+        return Topology.single(dist.get_world_size())
+    by_rank: dict[int, _Mine] = {r: m for r, _, m in views}  # type: ignore[misc]
+    C.grids_from_views([(r, m.row, m.col) for r, m in by_rank.items()])  # a replicate mesh that is no grid
+    topology = Topology.from_links([(r, m.links) for r, m in by_rank.items()], dist.get_rank())
+    for ranks in topology.stages:
+        _check_stage(ranks, by_rank)
+    if topology.pipelined:
+        _check_stages(topology, by_rank)
+    return topology
+
+
+def _check_stage(ranks: tuple[int, ...], by_rank: dict[int, _Mine]) -> None:
+    """The ranks one mesh links must hold the same params, planned alike."""
+    first = by_rank[ranks[0]]
+    other = next((r for r in ranks if by_rank[r].names != first.names), None)
+    if other is not None:
+        mine, theirs = set(first.names), set(by_rank[other].names)
+        name = sorted(mine ^ theirs)[0]
+        raise ValueError(
+            f"dmuon.dedicate_params: the mesh links ranks {ranks[0]} and {other}, but they hold different params "
+            f"({name!r} is only on rank {ranks[0] if name in mine else other}). Pass the data-parallel mesh of the "
+            "ranks that hold this part of the model: a mesh over every rank, or under pipeline parallelism the "
+            "stage's own, mesh['dp'] of init_device_mesh(..., (pp, dp), mesh_dim_names=('pp', 'dp')) (not "
+            "mesh['pp']). Nothing was changed on any rank."
+        )
+    digests = [by_rank[r].fingerprint for r in ranks]
     if len(set(digests)) != 1:
         raise RuntimeError(
             "dmuon.dedicate_params: ranks computed different owner plans or settings (different models, "
             f"predicates, shapes or dtypes per rank?); plan digests: {digests}"
+        )
+
+
+def _check_stages(topology: Topology, by_rank: dict[int, _Mine]) -> None:
+    """Pipeline stages (meshes that cover part of the world): each holds its own params, on a 1-D mesh."""
+    world = sum(len(s) for s in topology.stages)
+    seen: dict[str, int] = {}
+    for ranks in topology.stages:
+        for name in by_rank[ranks[0]].names:
+            if name in seen:
+                raise ValueError(
+                    f"dmuon.dedicate_params: the mesh has {len(topology.stage_ranks)} ranks but the default process "
+                    f"group has {world}, and ranks {seen[name]} and {ranks[0]} both hold {name!r}: a mesh that covers "
+                    "part of the world is a pipeline stage's, whose ranks hold that stage's layers only. Pass a mesh "
+                    "over every rank that holds these params (the data-parallel mesh of the whole job), or give "
+                    "each stage its own layers. Nothing was changed on any rank."
+                )
+            seen[name] = ranks[0]
+    if any(m.nd for m in by_rank.values()):
+        raise ValueError(
+            f"dmuon.dedicate_params: pipeline stages ({len(topology.stages)} stages of "
+            f"{len(topology.stage_ranks)} ranks) with HSDP or tensor parallelism are not supported yet; pass each "
+            "stage's 1-D data-parallel mesh (mesh['dp']). Nothing was changed on any rank."
+        )
+    if any(m.widens for m in by_rank.values()):
+        raise ValueError(
+            "dmuon.dedicate_params: reduce_dtype wider than the params' dtype is not supported with pipeline "
+            "stages yet (the schedule scales param.grad, where such a gradient does not live); leave reduce_dtype "
+            "unset. Nothing was changed on any rank."
         )
 
 
@@ -307,14 +400,7 @@ def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh
         raise ValueError(f"dmuon.dedicate_params: replicate_mesh must be a 1-D DeviceMesh, got {replicate_mesh!r}")
     if replicate_mesh is not None:
         _check_not_swapped(mesh, replicate_mesh)
-    replicas = (replicate_mesh.size() if replicate_mesh is not None else 1) * (tp_mesh.size() if tp_mesh else 1)
-    if mesh.size() * replicas != dist.get_world_size():
-        raise ValueError(
-            f"dmuon.dedicate_params: the mesh has {mesh.size()} ranks"
-            + (f" x {replicas} replicas" if replicate_mesh is not None else "")
-            + f" but the default process group has {dist.get_world_size()}; dmuon needs its data-parallel "
-            "mesh (with replicate_mesh for HSDP) to cover every rank."
-        )
+    # a mesh over part of the world is a pipeline stage's: checked against the other ranks' in _agree
     return mesh, replicate_mesh, tp_mesh
 
 
@@ -370,8 +456,8 @@ def _check_model(model: nn.Module, tp_mesh: DeviceMesh | None = None) -> None:
 
 
 def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, plan: OwnerPlan,
-                 selected: list[Selected], boundary_of: dict[str, str], modules: dict[str, nn.Module]
-                 ) -> DMuonState:
+                 selected: list[Selected], boundary_of: dict[str, str], modules: dict[str, nn.Module],
+                 topology: Topology) -> DMuonState:
     """The per-matrix records, boundary groups and hooks; the owners' values go into their buckets."""
     dps_by_boundary: dict[str, list[DedicatedParam]] = {}
     for s in selected:
@@ -384,7 +470,7 @@ def _build_state(model: nn.Module, ctx: C.CommContext, config: RuntimeConfig, pl
         setattr(p, DEDICATED_ATTR, owner)
         dps_by_boundary.setdefault(boundary_of[s.fqn], []).append(dp)
     groups = [(modules[b], BoundaryGroup(b, dps, ctx, config)) for b, dps in dps_by_boundary.items()]
-    state = DMuonState(model, ctx, config, groups)
+    state = DMuonState(model, ctx, config, groups, topology=topology)
     state.install_hooks()
     state.bind_if_needed(allow_meta=True)
     state.install_module_guards()

@@ -71,6 +71,7 @@ def bind(model: nn.Module) -> Engine:
     state.engine = engine
     state.replicated_params = engine.plain_params()
     state.accumulation_boundary = engine.accumulation_boundary
+    state.reshard_after_backward = engine.reshard_after_backward
     return engine
 
 

@@ -12,7 +12,9 @@ Everything dmuon needs to know about that engine is one of these questions, answ
   ignore list, FSDP2's skip patch), and :meth:`Engine.refuse_taken` for a model the engine already took;
 * *how its gradient sync switches off for accumulation*: :meth:`Engine.no_sync` (``dmuon.no_sync`` enters it),
   or, where the engine decides the accumulation boundary itself, :meth:`Engine.accumulation_boundary`, which
-  dmuon's hooks ask at every backward;
+  dmuon's hooks ask at every backward (FSDP2's answer is its own sync switch, which torch's pipelining
+  schedules turn off for each microbatch), and whether weights stay gathered between accumulation steps
+  (:meth:`Engine.reshard_after_backward`);
 * *its part of the gradient norm*: :meth:`Engine.grad_share` (this rank's share of one gradient);
 * *its part of the state dicts*: :meth:`Engine.rest` (its tensors in their resting place before a state dict
   reads them) and :meth:`Engine.after_model_load` (its copies of the weights follow a load);
@@ -103,6 +105,13 @@ class Engine:
         """Where the engine decides when gradients are averaged (DeepSpeed's ``gradient_accumulation_steps``):
         whether the backward running now closes the window. ``None``: the engine leaves it to ``no_sync``."""
         return None
+
+    def reshard_after_backward(self) -> bool:
+        """Whether the weights a backward gathered are freed when it ends though it kept its gradients local
+        (an accumulation step). ``False`` where the engine keeps its own for the next microbatch (FSDP2 under
+        torch's pipelining schedules): dmuon keeps its copies too, so no microbatch broadcasts more than the
+        engine gathers."""
+        return True
 
     def grad_share(self, g: torch.Tensor, *, rank: int, tp_first: bool, tp_name: str | None
                    ) -> tuple[torch.Tensor, bool]:

@@ -160,6 +160,9 @@ class FSDP2(Engine):
     dedicated params of another dtype."""
 
     kind: ClassVar[str] = "fsdp2"
+    #: the param group whose ``reduce_grads`` is FSDP2's sync switch (:meth:`accumulation_boundary`), once found
+    _switch: Any = None
+    _switch_looked_up: bool = False
 
     @classmethod
     def claims(cls, model: nn.Module) -> bool:
@@ -188,6 +191,40 @@ class FSDP2(Engine):
         finally:
             for m in fsdp:
                 m.set_requires_gradient_sync(resume, recurse=False)
+
+    def accumulation_boundary(self) -> bool | None:
+        """FSDP2's own gradient-sync switch, however it was set: by ``dmuon.no_sync``, by the user's
+        ``set_requires_gradient_sync``, or by torch's pipelining schedules, which turn it off before every
+        microbatch's backward and on again in their final reduce (``perform_reduce_grad``, outside any
+        backward). Following it, the dedicated gradients accumulate locally over the microbatches and are
+        reduced once, by the clip or the step that comes next. ``None`` (``no_sync`` alone decides) where no
+        FSDP2 module holds params, or this torch keeps the switch elsewhere (its param groups are private)."""
+        group = self._sync_switch()
+        flag = getattr(group, "reduce_grads", None)
+        return flag if isinstance(flag, bool) else None
+
+    def reshard_after_backward(self) -> bool:
+        """FSDP2's own setting (``set_reshard_after_backward``; torch's pipelining schedules turn it off for every
+        microbatch's backward and on again in their final reduce)."""
+        flag = getattr(self._sync_switch(), "reshard_after_backward", True)
+        return flag if isinstance(flag, bool) else True
+
+    def _sync_switch(self) -> Any:
+        """The first FSDP2 param group (``set_requires_gradient_sync`` writes every one alike); found once."""
+        if not self._switch_looked_up:
+            self._switch_looked_up = True
+            for m in fsdp_modules(self.model):
+                try:
+                    st = m._get_fsdp_state()  # type: ignore[operator]
+                    groups = getattr(st, "_fsdp_param_groups", None)
+                    if groups is None:  # earlier torch: one group per module
+                        groups = [g] if (g := getattr(st, "_fsdp_param_group", None)) is not None else []
+                except AttributeError:
+                    groups = []
+                if groups:
+                    self._switch = groups[0]
+                    break
+        return self._switch
 
     def check_optimizer(self) -> None:
         """Refuse dedicated params whose compute dtype differs from the ``MixedPrecisionPolicy.param_dtype`` of

@@ -36,7 +36,9 @@ and AdamW values (normalised as the records hold them, so ``adjust_lr_fn=None`` 
 stepped on every rank, and kernels round differently), QK-clip's ``tau`` and ``alpha`` and the head
 layouts it resolved, then each group's name, params, algorithm and values. :func:`agree` raises on every
 rank, naming the first setting that differs and each rank's value, before anything is built;
-``add_param_group`` compares its group the same way. Not compared: ``replicate_async`` (results are the
+``add_param_group`` compares its group the same way. Under pipeline parallelism the stages hold different
+params, so the groups and head layouts are compared within each stage and the rest over every rank
+([Note: pipeline stages] in ``dmuon/runtime/topology.py``). Not compared: ``replicate_async`` (results are the
 same either way) and QK-clip's ``log``. Nothing is compared per step: a scheduler changes ``lr`` by the
 same rule from the same state on every rank; a per-step gather would tax every step for the one case it
 could catch (a loop that edits a group on some ranks only).
@@ -403,29 +405,47 @@ def _fix(label: str, where: str) -> str:
     return f"the same dmuon.Muon(..., {label}=...)"
 
 
-def agree(views: Sequence[tuple[str, str | None, Mapping[str, object]]], where: str) -> None:
+#: labels that concern a stage's own params: compared within each pipeline stage, the rest over the job
+_STAGE_LABELS = ("param group", "qk_clip heads")
+
+
+def agree(views: Sequence[tuple[str, str | None, Mapping[str, object]]], where: str, *,
+          stage_of_rank: Sequence[int] | None = None) -> None:
     """Raise on every rank where any rank refused (``views[r]``: the stage that refused and its error, or
     ``None``, and its view) or the ranks' views differ ([Note: settings agreement]). Pure: the caller
-    gathers ``views``."""
+    gathers ``views``. ``stage_of_rank``: each rank's pipeline stage, where the job has several; the param
+    groups and head layouts (a stage's own params) are then compared within each stage, everything else over
+    every rank ([Note: pipeline stages] in ``dmuon/runtime/topology.py``)."""
     for rank, (stage, err, _) in enumerate(views):
         if err is not None:
             raise ValueError(f"{stage} refused on rank {rank}: {err}")
+    stages = stage_of_rank if stage_of_rank is not None else [0] * len(views)
     for label in dict.fromkeys(k for _, _, view in views for k in view):
         values = [view.get(label, _ABSENT) for _, _, view in views]
-        if all(v == values[0] for v in values):
+        if not label.startswith(_STAGE_LABELS):
+            _compare(label, dict(enumerate(values)), where)
             continue
-        texts = [str(v) for v in values]
-        common = next((i for i, chars in enumerate(zip(*texts)) if len(set(chars)) > 1), min(map(len, texts)))
-        by_value: dict[str, list[int]] = {}
-        for rank, v in enumerate(values):
-            by_value.setdefault(_show(v, common), []).append(rank)
-        shown = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items())
-        if all(isinstance(v, tuple) for v in values):  # which param makes the difference
-            name = next(n for v in values for n in v if not all(n in w for w in values))  # type: ignore[union-attr]
-            shown += f" ({name!r} only on rank{'s' if sum(name in v for v in values) > 1 else ''} " \
-                     f"{', '.join(str(r) for r, v in enumerate(values) if name in v)})"  # type: ignore[operator]
-        raise ValueError(
-            f"{where}: the ranks disagree on {label}: {shown}. Each matrix is updated once, on its owner, for every "
-            f"rank, so a setting that changes the update must be the same everywhere: pass {_fix(label, where)} "
-            "on every rank. Nothing was built or changed."
-        )
+        for s in sorted(set(stages)):
+            _compare(label, {r: v for r, v in enumerate(values) if stages[r] == s}, where)
+
+
+def _compare(label: str, by_rank: Mapping[int, object], where: str) -> None:
+    """Raise naming ``label`` and each rank's value unless every rank of ``by_rank`` has the same one."""
+    values = list(by_rank.values())
+    if all(v == values[0] for v in values):
+        return
+    texts = [str(v) for v in values]
+    common = next((i for i, chars in enumerate(zip(*texts)) if len(set(chars)) > 1), min(map(len, texts)))
+    by_value: dict[str, list[int]] = {}
+    for rank, v in by_rank.items():
+        by_value.setdefault(_show(v, common), []).append(rank)
+    shown = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items())
+    if all(isinstance(v, tuple) for v in values):  # which param makes the difference
+        name = next(n for v in values for n in v if not all(n in w for w in values))  # type: ignore[union-attr]
+        holders = [r for r, v in by_rank.items() if name in v]  # type: ignore[operator]
+        shown += f" ({name!r} only on rank{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))})"
+    raise ValueError(
+        f"{where}: the ranks disagree on {label}: {shown}. Each matrix is updated once, on its owner, for every "
+        f"rank, so a setting that changes the update must be the same everywhere: pass {_fix(label, where)} "
+        "on every rank. Nothing was built or changed."
+    )

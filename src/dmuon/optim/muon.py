@@ -275,6 +275,8 @@ class Muon(torch.optim.Optimizer):
                     raise checked
                 self._muon_defaults, self._adamw_defaults, view = checked
                 stage = "dmuon.QKClip"
+                if qk_clip is not None and state.topology.pipelined:
+                    raise ValueError("QK-clip with pipeline stages is not supported yet: pass qk_clip=None")
                 clipped = [] if qk_clip is None else clip_layout(qk_clip, model, state)
                 view.update(agreement_view(qk_clip, clipped))
             stage = "dmuon.Muon: param_groups"
@@ -291,7 +293,9 @@ class Muon(torch.optim.Optimizer):
                                                 view))
         if error is not None:
             raise error
-        agree(views, "dmuon.Muon" if checked is not None else "dmuon.Muon.add_param_group")  # type: ignore[arg-type]
+        topology = state.topology  # pipeline stages: a stage's groups are compared within it
+        agree(views, "dmuon.Muon" if checked is not None else "dmuon.Muon.add_param_group",  # type: ignore[arg-type]
+              stage_of_rank=topology.stage_of_rank() if topology.pipelined else None)
         return resolved, clipped
 
     def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]

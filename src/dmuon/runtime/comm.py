@@ -28,7 +28,7 @@ from .errors import raise_internal
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
     "reduce_parts", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object",
-    "broadcast_object",
+    "broadcast_object", "grids_from_views",
 ]
 
 
@@ -153,8 +153,10 @@ class CommContext:
     @property
     def spans_job(self) -> bool:
         """Whether dmuon's grid holds every rank of the job: so except under tensor parallelism, where there is
-        one grid per tp index. The agreement collectives below (small gathers and sums that every rank must
-        see alike) run over dmuon's world group when it does, over the default group when not."""
+        one grid per tp index, and under pipeline parallelism, where the grid is one stage's data-parallel ranks
+        ([Note: pipeline stages] in ``topology.py``). The agreement collectives below (small gathers and sums
+        that every rank must see alike: the clip norm sums every stage's share) run over dmuon's world group
+        when it does, over the default group when not."""
         return self.world_size == dist.get_world_size()
 
     @property
@@ -197,15 +199,15 @@ class CommContext:
         me = dist.get_rank()
         row = tuple(int(r) for r in shard_mesh.mesh.flatten().tolist())
         col = tuple(int(r) for r in replicate_mesh.mesh.flatten().tolist()) if replicate_mesh is not None else (me,)
-        # Tensor parallelism: one grid of data-parallel ranks per tp index (the ranks whose shard and replicate
-        # meshes cover only part of the world). Every rank learns every grid, so that each creates every group
+        # Tensor parallelism: one grid of data-parallel ranks per tp index; pipeline parallelism: one per stage
+        # (the ranks whose shard and replicate meshes cover only part of the world). Every rank learns every grid, so that each creates every group
         # in the same order: new_group is collective over the default group.
         views: list[object] = [None] * dist.get_world_size()
         if len(row) * len(col) == dist.get_world_size() and replicate_mesh is None:
             views = [(r, row, (r,)) for r in row]  # plain data parallelism: nothing to gather
         else:
             dist.all_gather_object(views, (me, row, col))
-        grids = _grids_from_views(views)  # type: ignore[arg-type]
+        grids = grids_from_views(views)  # type: ignore[arg-type]
         groups: dict[Dim, dist.ProcessGroup | None] = {}
         mine: tuple[tuple[int, ...], ...] = ()
         for grid in grids:
@@ -238,7 +240,7 @@ def _new_grid_groups(grid: tuple[tuple[int, ...], ...], me: int, backend: str, t
     return groups if r_idx is not None else None
 
 
-def _grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
+def grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
     """The grids of data-parallel ranks (one per tp index; one without TP), in a fixed order, from every rank's
     (rank, shard-mesh ranks, replicate-mesh ranks); each checked by :func:`_grid_from_views`."""
     components: list[set[int]] = []  # ranks linked by a shard row or a replicate column: one grid each
@@ -467,7 +469,8 @@ def wait(pending: PendingComm) -> torch.Tensor:
 
 
 def _job_group(ctx: CommContext) -> dist.ProcessGroup | None:
-    """The group of every rank of the job: dmuon's world group, or under TP the default group (``None``)."""
+    """The group of every rank of the job: dmuon's world group, or under TP and across pipeline stages the
+    default group (``None``)."""
     return ctx.groups[Dim.WORLD] if ctx.spans_job else None
 
 

@@ -50,6 +50,7 @@ from .guard import TrainingPass, guard_modules, in_backward
 from .param import DedicatedParam, GradState
 from .prefetch import Prefetcher
 from .replicated import all_reduce_replicated_grads
+from .topology import Topology
 
 __all__ = ["DMuonState", "get_state", "STATE_ATTR"]
 
@@ -78,9 +79,12 @@ class DMuonState:
     """Everything ``dedicate_params`` built for one model: its groups, settings and hooks."""
 
     def __init__(self, model: nn.Module, ctx: C.CommContext, config: RuntimeConfig,
-                 groups: list[tuple[nn.Module, BoundaryGroup]]):
+                 groups: list[tuple[nn.Module, BoundaryGroup]], *, topology: Topology | None = None):
         self.model = model
         self.ctx = ctx
+        #: The job's pipeline stages and this model's ([Note: pipeline stages] in ``topology.py``); one stage
+        #: of dmuon's grid when not given.
+        self.topology = topology if topology is not None else Topology((tuple(sorted(ctx.global_ranks)),), 0)
         #: The settings of ``dedicate_params``, the one copy every part reads.
         self.config = config
         self.modules_and_groups = groups
@@ -94,6 +98,10 @@ class DMuonState:
         #: Set by the binding where the engine decides the accumulation boundary itself (DeepSpeed): whether
         #: the running backward closes the window (``None``: no opinion, ``no_sync`` decides).
         self.accumulation_boundary: Callable[[], bool | None] = _no_opinion
+        #: Set by the binding: whether a backward that kept its gradients local frees the copies it gathered
+        #: (``False`` where the engine keeps its own gathered for the next microbatch: FSDP2 under torch's
+        #: pipelining schedules; then the next forward or backward of the group broadcasts nothing).
+        self.reshard_after_backward: Callable[[], bool] = _reshard
         #: Set by ``dedicate_params``: binds the engine at the first forward when nothing bound it before, so
         #: plain params are averaged whether or not an optimizer was built.
         self.bind_engine: Callable[[], Any] | None = None
@@ -323,12 +331,13 @@ class DMuonState:
         self.end_pass()
         self.prefetcher.reset_backward()
         sync = self.syncing()
+        keep = not sync and not self.reshard_after_backward()  # the engine keeps its weights for the next microbatch
         for g in self.groups:  # also releases a backward prefetch whose backward never came
             if sync:
                 self._hand_over_unsynced(g)
             if sync and g.any_grad_ready():
                 g.reduce_grads()
-            elif g.state in (GroupState.UNSHARDING, GroupState.UNSHARDED):
+            elif g.state is GroupState.UNSHARDING or (g.state is GroupState.UNSHARDED and not keep):
                 g.backward_pending = False
                 g.reshard()
         if sync:
@@ -413,6 +422,11 @@ class DMuonState:
 def _no_opinion() -> None:
     """The accumulation boundary of an engine that leaves it to ``no_sync``."""
     return None
+
+
+def _reshard() -> bool:
+    """Copies gathered for an accumulation step's backward are freed when it ends (no engine bound yet)."""
+    return True
 
 
 def _placed_like(p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,146 @@
+"""Pipeline parallelism: every rank holds one stage, dedicated over its stage's ``mesh["dp"]``, trained by torch's
+own ``PipelineStage`` and schedules (1F1B, GPipe), against the whole model on one process (``torch.optim.Muon``
++ ``torch.optim.AdamW``). Two jobs: pp 2 x dp 1 (2 ranks) and pp 2 x dp 2 (4 ranks), each running every
+scenario on one process group; the misuse cases run inside the 4-rank job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+import dmuon
+from dmuon.tools.models import projection_predicate
+from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, rel_err
+from tests._dist import run_distributed
+from tests._pipeline import LAYERS, Scenario, Stage, build_model, logits_of, merge, oracle, pipeline_job
+
+STEPS = 3
+#: below every stage's own gradient norm and the total (7.2-7.5 over these steps): every step clips
+MAX_NORM = 1.0
+SCENARIOS = [Scenario("1f1b", steps=STEPS), Scenario("1f1b_z2", reshard_after_forward=False, steps=STEPS),
+             Scenario("gpipe", schedule="gpipe", steps=STEPS)]
+EXTRA = [Scenario("clip", max_norm=MAX_NORM, steps=STEPS), Scenario("accum", accum=2, steps=STEPS)]
+
+
+def _unchanged(model: nn.Module) -> bool:
+    """Nothing dmuon does happened to ``model``: no state, no param marked or emptied."""
+    return (getattr(model, "_dmuon_state", None) is None
+            and not any(hasattr(p, "_dedicated_owner_rank") or p.untyped_storage().nbytes() == 0
+                        for p in model.parameters()))
+
+
+def misuse_cases(mesh) -> dict:
+    """Each misuse attempted on every rank: ``(error type, message, model unchanged)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    out = {}
+
+    def attempt(case: str, fn, *, shard_first: bool = False) -> None:
+        stage = Stage(build_model(), LAYERS[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+        if shard_first:  # the last stage only: wrapped before dedicate_params
+            fully_shard(stage, mesh=mesh["dp"])
+        try:
+            fn(stage)
+        except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+            out[case] = (type(e).__name__, str(e), shard_first or _unchanged(stage))
+        else:
+            out[case] = ("no error", "", False)
+
+    attempt("pp_mesh", lambda s: dmuon.dedicate_params(s, mesh["pp"], projection_predicate))
+    world = init_device_mesh("cpu", (mesh.size(),))
+    attempt("world_mesh", lambda s: dmuon.dedicate_params(s, world, projection_predicate))
+    attempt("after_fully_shard", lambda s: dmuon.dedicate_params(s, mesh["dp"], projection_predicate),
+            shard_first=pp_rank == pp - 1)
+    return {"misuse": out}
+
+
+@pytest.fixture(scope="module")
+def pp2dp1() -> list[dict]:
+    return run_distributed(pipeline_job, 2, 2, SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def pp2dp2() -> list[dict]:
+    return run_distributed(pipeline_job, 4, 2, SCENARIOS + EXTRA, misuse_cases)
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return oracle(STEPS)
+
+
+def _job(request, name: str) -> list[dict]:
+    return request.getfixturevalue(name)
+
+
+@pytest.mark.parametrize("job", ["pp2dp1", "pp2dp2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_parity_with_single_process_muon(request, ref, job, schedule):
+    run = merge(_job(request, job), schedule)
+    assert_close_to(run, ref, f"{job} {schedule}")
+    err = rel_err(logits_of(run["weights"]), ref["logits"])
+    assert err <= WEIGHT_RTOL, f"{job} {schedule}: logits off by {err:.2e}"
+
+
+@pytest.mark.parametrize("job", ["pp2dp1", "pp2dp2"])
+def test_z2_equals_z3_bit_for_bit(request, job):
+    results = _job(request, job)
+    assert_bitwise(merge(results, "1f1b_z2"), merge(results, "1f1b"), f"{job} Z2 vs Z3")
+
+
+def test_one_reduce_per_step_and_broadcasts_no_more_than_fsdp2(pp2dp2):
+    """The dedicated gradients accumulate over the microbatches (FSDP2's sync switch, which the schedule turns
+    off) and are reduced once per step: P elements, where one reduce per microbatch would be 2 P. Under Z2 the
+    weights are broadcast once per step (the schedule keeps FSDP2's gathered between microbatches; step 0 adds
+    the schedule's metadata pass); under Z3 once per microbatch and pass, at most (FSDP2 gathers as often)."""
+    for r in pp2dp2:
+        for name in ("1f1b", "1f1b_z2", "gpipe", "clip", "accum"):
+            run = r[name]
+            P = run["P"]
+            for step, (reduced, _, fwd, bwd) in enumerate(run["reduces"]):
+                assert reduced == P, f"{name} step {step}: reduced {reduced} elements, P = {P}"
+                if name == "1f1b_z2" and step > 0:
+                    assert (fwd, bwd) == (P, 0), f"{name} step {step}: broadcast {fwd} + {bwd}, P = {P}"
+                if name in ("1f1b", "gpipe") and step > 0:
+                    assert fwd + bwd == 3 * P, f"{name} step {step}: broadcast {fwd} + {bwd}, P = {P}"
+
+
+def test_clip_over_every_stage(pp2dp2):
+    """One total norm over both stages' FSDP2 shards and dedicated gradients, the same on every rank, as torch's
+    on the whole model; what clipping leaves has the norm max_norm. Each stage clipping by its own norm (the
+    wrong variant) leaves about sqrt(2) max_norm, and moves the weights less than the bounds can see (Muon and
+    AdamW barely feel a gradient's scale), so the clipped norm is what tells it apart."""
+    run = merge(pp2dp2, "clip")
+    want = oracle(STEPS, max_norm=MAX_NORM)
+    wrong = oracle(STEPS, max_norm=MAX_NORM, per_stage_clip=True)
+    assert len(run["norms"]) == STEPS
+    for r in pp2dp2:  # every rank of every stage saw the same norms
+        assert (r["clip"]["norms"], r["clip"]["clipped"]) == (run["norms"], run["clipped"])
+    for step in range(STEPS):
+        got, exp = run["norms"][step], want["norms"][step]
+        assert abs(got - exp) <= 1e-4 * exp, f"step {step}: norm {got} vs {exp}"
+        got, exp, bad = run["clipped"][step], want["clipped"][step], wrong["clipped"][step]
+        assert abs(got - exp) <= 1e-4 * exp, f"step {step}: clipped to {got}, torch clips to {exp}"
+        assert abs(got - bad) > 0.3 * exp, f"step {step}: per-stage clipping ({bad}) not told apart from {got}"
+    assert_close_to(run, want, "clip")
+
+
+def test_accumulation_over_schedule_steps(pp2dp2, ref):
+    assert_close_to(merge(pp2dp2, "accum"), ref, "two schedule steps per optimizer step")
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("pp_mesh", "not mesh['pp']"),
+    ("world_mesh", "hold different params"),
+    ("after_fully_shard", "before fully_shard"),
+])
+def test_misuse_refused_on_every_rank(pp2dp2, case, needle):
+    for rank, r in enumerate(pp2dp2):
+        kind, message, unchanged = r["misuse"][case]
+        assert kind == "ValueError", f"rank {rank} {case}: {kind}: {message}"
+        assert needle in message, f"rank {rank} {case}: {message!r} does not mention {needle!r}"
+        assert unchanged, f"rank {rank} {case}: the model changed although the call failed"
+
