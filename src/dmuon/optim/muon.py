@@ -9,9 +9,8 @@ scale both), built from the model rather than a parameter list:
   foreach kernels refuse mixed lists).
 
 By default there is one group of each kind, in that order; ``param_groups=[...]`` puts the user's groups
-first ([Note: group layout] in ``dmuon/optim/groups.py``). AdamW is torch's own ``torch.optim.AdamW``
-stepping the AdamW groups; the Muon math mirrors
-``torch.optim.Muon`` and lives in the pure helpers of ``dmuon/optim/update.py``.
+first ([Note: group layout] in ``dmuon/optim/groups.py``). AdamW is torch's own ``torch.optim.AdamW`` stepping
+the AdamW groups; the Muon math mirrors ``torch.optim.Muon`` and lives in ``dmuon/optim/update.py``'s helpers.
 
 Mixed precision (see [Note: master weights] in ``dmuon/runtime/precision.py``): Muon updates each owned matrix's
 master when it has one (``dedicate_params(param_dtype=...)`` or ``master_dtype`` here), in the master's
@@ -275,8 +274,6 @@ class Muon(torch.optim.Optimizer):
                     raise checked
                 self._muon_defaults, self._adamw_defaults, view = checked
                 stage = "dmuon.QKClip"
-                if qk_clip is not None and state.topology.pipelined:
-                    raise ValueError("QK-clip with pipeline stages is not supported yet: pass qk_clip=None")
                 clipped = [] if qk_clip is None else clip_layout(qk_clip, model, state)
                 view.update(agreement_view(qk_clip, clipped))
             stage = "dmuon.Muon: param_groups"
@@ -293,9 +290,8 @@ class Muon(torch.optim.Optimizer):
                                                 view))
         if error is not None:
             raise error
-        topology = state.topology  # pipeline stages: a stage's groups are compared within it
         agree(views, "dmuon.Muon" if checked is not None else "dmuon.Muon.add_param_group",  # type: ignore[arg-type]
-              stage_of_rank=topology.stage_of_rank() if topology.pipelined else None)
+              stage_of_rank=state.topology.stage_of_rank() if state.topology.pipelined else None)  # within a stage
         return resolved, clipped
 
     def _torch_groups(self, model: nn.Module, state: DMuonState, resolved: Sequence[ResolvedGroup]

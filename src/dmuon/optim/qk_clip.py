@@ -321,6 +321,8 @@ def clip_layout(config: object, model: nn.Module, state: Any) -> list[_Attention
     :func:`agreement_view` of every rank before it builds the :class:`QKClipper`."""
     if not isinstance(config, QKClip):
         raise TypeError(f"dmuon.Muon: qk_clip must be a dmuon.QKClip or None, got {type(config).__name__}")
+    if state.topology.pipelined:
+        raise ValueError("QK-clip with pipeline stages is not supported yet: pass qk_clip=None")
     return _resolve(config, model, state)
 
 
