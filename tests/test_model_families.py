@@ -102,7 +102,8 @@ def _llama4_forward(self, hidden_states: torch.Tensor):  # Llama4Router: (scores
 def build(family: str) -> nn.Module:
     torch.manual_seed(0)
     cfg = config(family)
-    model = transformers.Llama4ForCausalLM(cfg) if family == "llama4" else transformers.AutoModelForCausalLM.from_config(cfg)
+    auto = transformers.AutoModelForCausalLM.from_config
+    model = transformers.Llama4ForCausalLM(cfg) if family == "llama4" else auto(cfg)
     fixed = 0
     for m in model.modules():
         kind = type(m).__name__
@@ -132,7 +133,8 @@ class FamilyRun:
 
 RUNS = {"gpt_oss": FamilyRun("gpt_oss"), "llama4": FamilyRun("llama4", expert_route="muon"),
         "deepseek_v3": FamilyRun("deepseek_v3")}
-WRONG = {"gpt_oss_fused": FamilyRun("gpt_oss", gate_up="fused"), "gpt_oss_halves": FamilyRun("gpt_oss", gate_up="halves"),
+WRONG = {"gpt_oss_fused": FamilyRun("gpt_oss", gate_up="fused"),
+         "gpt_oss_halves": FamilyRun("gpt_oss", gate_up="halves"),
          "llama4_fused": FamilyRun("llama4", expert_route="muon", gate_up="fused")}
 
 
