@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
-from dmuon.runtime.blocks import Blocks
+from dmuon.runtime.blocks import Columns, Interleaved, RowBlocks
 from dmuon.tools.moe import TinyMoE, TinyMoEConfig, apply_expert_parallel, expert_predicate, expert_row_blocks
 from tests._dist import DEVICE_TYPE, device, rank_threads
 from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, full_weights, muon_kwargs
@@ -47,13 +47,29 @@ def _blocks_fn(cfg: TinyMoEConfig) -> Callable[[str, nn.Parameter], int | None] 
     return expert_row_blocks if cfg.layout == "fused" else None
 
 
-def _slices(name: str, p: torch.Tensor, blocks_fn: Callable[[str, nn.Parameter], int | None] | None) -> list[tuple]:
-    """Index tuples of every matrix of ``p``: each expert, and each row block of it."""
-    blocks = Blocks.of(p.shape, blocks_fn(name, p) if blocks_fn is not None else None)
-    rows = [(sum(blocks.rows[:i]), sum(blocks.rows[: i + 1])) for i in range(len(blocks.rows))]
+def block_index(n: int, spec) -> list:
+    """The indices along one dim of ``n`` of each block of a split ``spec`` (a count, sizes, or
+    ``Interleaved``), written out from the spec's plain meaning, independently of ``dmuon.runtime.blocks``:
+    a slice per contiguous block, an index tensor per interleaved one (its part of every group, in order)."""
+    if isinstance(spec, Interleaved):
+        per = n // spec.groups
+        return [torch.cat([torch.arange(g * per + s.start, g * per + s.stop) for g in range(spec.groups)])
+                for s in block_index(per, spec.rows)]
+    sizes = [n] if spec is None else [n // spec] * spec if isinstance(spec, int) else list(spec)
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [slice(end - size, end) for size, end in zip(sizes, ends)]
+
+
+def _slices(name: str, p: torch.Tensor, blocks_fn: Callable[[str, nn.Parameter], RowBlocks] | None) -> list[tuple]:
+    """Index tuples of every matrix of ``p``: each expert, and each block of it (rows, or columns for
+    ``Columns``)."""
+    spec = blocks_fn(name, p) if blocks_fn is not None else None
+    columns = isinstance(spec, Columns)
+    blocks = block_index(p.shape[-1] if columns else p.shape[-2], spec.blocks if columns else spec)
+    inner = [(slice(None), b) if columns else (b,) for b in blocks]
     if p.ndim == 2:
-        return [(slice(a, b),) for a, b in rows]
-    return [(e, slice(a, b)) for e in range(p.shape[0]) for a, b in rows]
+        return inner
+    return [(e, *ix) for e in range(p.shape[0]) for ix in inner]
 
 
 @rank_threads()
@@ -71,13 +87,14 @@ def train_moe_oracle(steps: int, cfg: TinyMoEConfig = MOE_CFG, hp: MuonHParams =
 
 @rank_threads()
 def per_matrix_oracle(model: nn.Module, predicate: Callable[[str, nn.Parameter], bool],
-                      blocks_fn: Callable[[str, nn.Parameter], int | None] | None,
+                      blocks_fn: Callable[[str, nn.Parameter], RowBlocks] | None,
                       loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], steps: int,
                       hp: MuonHParams = MUON_HP, adamw: AdamWHParams = ADAMW_HP, accum: int = 1, *,
                       clip: float | None = None, expert_lr: float | None = None) -> dict:
     """One process: ``torch.optim.Muon`` (or, for a variant's ``hp``, its reference: ``tests/_variants.py``) on
     one 2-D parameter per matrix of every param ``predicate`` selects
-    (per expert, per row block of ``blocks_fn``; its gradient copied in, its result copied back),
+    (per expert, per block of ``blocks_fn``: rows, columns, interleaved; its gradient copied in, its result
+    copied back),
     ``torch.optim.AdamW`` on the rest, fed :func:`tests._training.batches` whole (``accum`` parts).
     ``loss_of(model, tokens, targets)``: the loss of one batch. Any model: the tiny MoE, HF's."""
     dev = device()

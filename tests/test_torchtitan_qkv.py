@@ -191,7 +191,7 @@ def test_tensor_parallel_shards_take_the_full_matrix_update() -> None:
         rows = w.shape[0] // tp
         shards = [w[r * rows:(r + 1) * rows].clone() for r in range(tp)]
         for r, shard in enumerate(shards):
-            _apply_update_(shard, ortho[r * rows:(r + 1) * rows], HP, blocks, row_start=r * rows)
+            _apply_update_(shard, ortho[r * rows:(r + 1) * rows], HP, blocks, start=r * rows)
         assert torch.equal(torch.cat(shards), full), tp
 
 

@@ -105,7 +105,7 @@ def qk_clip(optimizer: Muon) -> dict[str, Any] | None:
 
 def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.device, int]]:
     """``(batch, matrix shape, backend, device, tp elements sent)`` of each batched NS call one ``step()`` of
-    this rank makes: one per run of equal row blocks of each layout group ([Note: matrix blocks] in
+    this rank makes: one per run of equal blocks of each layout group ([Note: matrix blocks] in
     ``dmuon/runtime/blocks.py``), the engine's shards of ``muon_sharded`` params included. A tensor-parallel
     shape group runs NS on the full matrices dealt to this tp rank ([Note: TP update] in
     ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
@@ -136,7 +136,7 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
                                            tp_size=state.tp_mesh.size())
             for run in blocks.runs:
                 batch = mine * blocks.batch * run.count
-                out.append((batch, (blocks.groups * run.size, blocks.cols), group["ns_backend"], device, sent))
+                out.append((batch, blocks.run_shape(run), group["ns_backend"], device, sent))
                 sent = 0  # the exchange moves each group once
     return [c for c in out if c[0] or c[4]]
 

@@ -1,7 +1,7 @@
 """Which parameters dmuon takes, on which route, as which matrices: the selection of ``dedicate_params``.
 
 ``predicate`` picks the Muon params, ``route`` overrides the route per param ([Note: routes] in
-``dmuon/runtime/route.py``), ``blocks`` declares row blocks ([Note: matrix blocks] in
+``dmuon/runtime/route.py``), ``blocks`` declares row or column blocks ([Note: matrix blocks] in
 ``dmuon/runtime/blocks.py``). Every check here is local and changes nothing; ``dedicate.py`` gathers the
 verdicts of every rank before anything is built.
 """
@@ -33,9 +33,10 @@ Predicate = Callable[[str, nn.Parameter], bool]
 #: to leave the param to ``predicate`` (selected: ``Route.MUON``, or ``Route.MUON_SHARDED`` for a large
 #: enough batch of matrices; else FSDP2's).
 RouteFn = Callable[[str, nn.Parameter], "Route | str | None"]
-#: ``blocks(fqn, param)``: the row blocks of a Muon param (``None``, a count, row sizes, or
-#: ``dmuon.runtime.blocks.Interleaved`` for blocks that repeat per group of rows), see [Note: matrix blocks]
-#: in ``dmuon/runtime/blocks.py``.
+#: ``blocks(fqn, param)``: the blocks of a Muon param (``None``, a count, row sizes,
+#: ``dmuon.runtime.blocks.Interleaved`` for blocks that repeat per group of rows, or any of these along the
+#: columns in ``dmuon.runtime.blocks.Columns``), see [Note: matrix blocks] in ``dmuon/runtime/blocks.py``;
+#: ``dmuon.integrations.hf.matrix_blocks(model)`` answers it for HF models.
 BlocksFn = Callable[[str, nn.Parameter], RowBlocks]
 
 

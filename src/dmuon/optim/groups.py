@@ -57,7 +57,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import engines
-from ..runtime.hooks import DMuonState
+from ..runtime.hooks import STATE_ATTR, DMuonState
 from ..runtime.precision import check_float_dtype
 from .rules import ADAMW, RULES, Algorithm, muon_record
 from .update import AdamWHParams, MuonHParams
@@ -103,6 +103,10 @@ class _Model:
         self.order = {name: i for i, name in enumerate(dict.fromkeys(self.name_of.values()))}
         #: dedicated for Muon, and dedicated for AdamW on the owner (``Route.ADAMW_OWNER``)
         self.dedicated, self.owner_adamw = set(dedicated), set(owner_adamw)
+        #: the Muon params split into column blocks, with their matrices ([Note: matrix blocks])
+        state: DMuonState | None = getattr(model, STATE_ATTR, None)
+        layouts = {} if state is None else {**{dp.fqn: dp.blocks for dp in state.dedicated()}, **state.sharded_muon}
+        self.columns = {canonical_name(n): b.describe() for n, b in layouts.items() if b is not None and b.columns}
 
     def lookup(self, item: object, where: str) -> str:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -218,6 +222,20 @@ def _algorithm(spec: Mapping[str, Any], fqns: Sequence[str], model: _Model, wher
     return algorithm
 
 
+def _check_blocks(algorithm: str, fqns: Sequence[str], model: _Model, where: str) -> None:
+    """Refuse an algorithm for the column-blocked params it cannot update (NorMuon's per-row state)."""
+    if algorithm == ADAMW or RULES[Algorithm.parse(algorithm)].column_blocks:
+        return
+    cols = [n for n in fqns if n in model.columns]
+    if cols:
+        raise ValueError(
+            f"{where}: algorithm={algorithm!r} cannot update {cols[0]!r}, whose blocks split its columns "
+            f"({model.columns[cols[0]]}): NorMuon keeps one second moment per row of a param, and each column block "
+            "needs its own. Put the column-blocked params in a param group with algorithm='muon', or declare "
+            "their blocks along the rows."
+        )
+
+
 def _nearest(spec: Mapping[str, Any], name: str | None, model: _Model) -> str:
     """For a group whose ``params`` name nothing: the model's names nearest the group's ``name``
     (by a segment of the FQN), else a few of the names of the kind the group asks for (dedicated matrices
@@ -290,6 +308,7 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
                              "list, or pass dmuon.Muon(..., allow_empty_groups=True) to keep an empty group on purpose "
                              "(a group list shared between models).")
         algorithm = _algorithm(spec, fqns, m, where, muon_defaults.ALGORITHM)
+        _check_blocks(algorithm, fqns, m, where)
         hp = _hparams(spec, algorithm, adamw_defaults.group_entries() if algorithm == ADAMW else
                       (muon_values if muon_values is not None else muon_defaults.group_entries()), where)
         out.append(ResolvedGroup(name, algorithm != ADAMW, tuple(sorted(fqns, key=m.order.__getitem__)), hp))
@@ -299,6 +318,8 @@ def resolve_groups(model: nn.Module, specs: Sequence[Mapping[str, Any]] | None, 
         rest = [n for n, p in ((n, m.by_name[n]) for n in m.order) if n not in owner_of and p.requires_grad]
         for use_muon, hp in ((True, muon_defaults), (False, adamw_defaults)):
             fqns = tuple(n for n in rest if (n in m.dedicated) == use_muon)
+            if use_muon:
+                _check_blocks(hp.ALGORITHM, fqns, m, "dmuon.Muon")
             out.append(ResolvedGroup(DEFAULT_GROUP_NAMES[use_muon], use_muon, fqns, hp))
     return out
 

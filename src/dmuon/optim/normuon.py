@@ -103,28 +103,35 @@ def row_sums(ortho: Tensor, dtype: torch.dtype) -> Tensor:
 def row_scales_(sums: Tensor, second_moment: Tensor, hp: NorMuonHParams, blocks: Blocks) -> Tensor:
     """NorMuon's per-row multipliers ``c`` (``[..., m, 1]``, the dtype of ``sums``) of a parameter whose
     Newton-Schulz result has row sums of squares ``sums``, advancing its ``second_moment`` (same shape) in
-    place. ``blocks`` describe the parameter (``sums`` holds every row of it; the leading dims are its batch)."""
+    place. ``blocks`` describe the parameter (``sums`` holds every row of it; the leading dims are its batch):
+    row blocks, contiguous or interleaved; not :class:`~dmuon.runtime.blocks.Columns` (a row of the parameter
+    crosses every column block, and each needs its own statistic of it)."""
+    if blocks.columns:
+        raise ValueError(f"dmuon.optim: NorMuon keeps one second moment per row of the parameter, and the column "
+                         f"blocks of {blocks.shape} ({blocks.describe()}) would each need their own; train it with "
+                         "algorithm='muon', or declare its blocks along the rows")
     n = blocks.cols
     second_moment.lerp_(sums / n, 1 - hp.beta2)
     denom = second_moment.sqrt() + hp.normuon_eps
     normalised = sums / denom.square()  # ||row of O^||^2
-    lead = tuple(sums.shape[:-2])
     scales = torch.empty_like(denom)
     for run in blocks.runs:
-        norm_hat = _per_block(normalised, run, lead).sqrt()
+        shape = blocks.run_shape(run)
+        norm_hat = _per_block(normalised, blocks, run).sqrt()
         if hp.rms_target is not None:
-            target = hp.rms_target * math.sqrt(run.size * n)
+            target = hp.rms_target * math.sqrt(shape[0] * shape[1])
         else:  # ||O_b||_F, and the block's Muon lr factor
-            target = adjusted_lr(1.0, hp.adjust_lr_fn, (run.size, n)) * _per_block(sums, run, lead).sqrt()
+            target = adjusted_lr(1.0, hp.adjust_lr_fn, shape) * _per_block(sums, blocks, run).sqrt()
         k = torch.where(norm_hat > 0, target / norm_hat, 0.0)
-        rows = denom[..., run.start:run.stop, :].reshape(*lead, run.count, run.size)
-        scales[..., run.start:run.stop, :] = (k / rows).reshape(*lead, run.count * run.size, 1)
+        # every row of every block of the run (interleaved ones gather theirs from each group): k_b / d_i
+        blocks.view(scales, run).copy_(k[..., None, None] / blocks.view(denom, run))
     return scales
 
 
-def _per_block(t: Tensor, run: Run, lead: tuple[int, ...]) -> Tensor:
+def _per_block(t: Tensor, blocks: Blocks, run: Run) -> Tensor:
     """``[..., count, 1]``: the sum of ``t`` (``[..., m, 1]``) over the rows of each block of ``run``."""
-    return t[..., run.start:run.stop, :].reshape(*lead, run.count, run.size).sum(dim=-1, keepdim=True)
+    v = blocks.view(t, run)  # (..., count, groups, size, 1)
+    return v.reshape(*v.shape[:-3], -1).sum(dim=-1, keepdim=True)
 
 
 def _step_(param: Tensor, ortho: Tensor, scales: Tensor, hp: NorMuonHParams) -> None:

@@ -209,7 +209,7 @@ def _fused_layout(heads: QKHeads, module: nn.Module, dp: DedicatedParam | None, 
         q_rows = tuple((j // per * r + j % per) * d for j in range(h))
         return QKHeads(heads.module, heads.q, heads.k, h, g, d, q_rows, tuple((i * r + per) * d for i in range(g)))
     ends = set()
-    if dp is not None and dp.blocks is not None:
+    if dp is not None and dp.blocks is not None and not dp.blocks.columns:
         total = 0
         for rows in dp.blocks.rows:
             total += rows

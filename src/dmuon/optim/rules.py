@@ -113,8 +113,12 @@ class UpdateRule:
         rule.update_([w], [g], [st], NorMuonHParams(lr=0.01))
     """
 
-    def __init__(self, algorithm: Algorithm, hparams: type[MuonHParams], state: tuple[StateSpec, ...]):
+    def __init__(self, algorithm: Algorithm, hparams: type[MuonHParams], state: tuple[StateSpec, ...], *,
+                 column_blocks: bool = True):
         self.algorithm, self.hparams, self.state = algorithm, hparams, state
+        #: whether it updates params split into ``Columns`` blocks ([Note: matrix blocks]); a per-row state
+        #: (one value per row of the param) cannot serve column blocks, which each need their own rows
+        self.column_blocks = column_blocks
 
     def __repr__(self) -> str:
         return f"UpdateRule({self.algorithm.value!r})"
@@ -172,7 +176,8 @@ class _NorMuon(UpdateRule):
 RULES: dict[Algorithm, UpdateRule] = {
     Algorithm.MUON: _Muon(Algorithm.MUON, MuonHParams, (MOMENTUM,)),
     Algorithm.NORMUON: _NorMuon(Algorithm.NORMUON, NorMuonHParams,
-                                  (MOMENTUM, StateSpec("row_second_moment", per_row=True, stat=True))),
+                                  (MOMENTUM, StateSpec("row_second_moment", per_row=True, stat=True)),
+                                  column_blocks=False),
 }
 #: every rule's per-row state keys (the checkpoint functions lay these out as whole rows)
 PER_ROW_KEYS = frozenset(s.key for r in RULES.values() for s in r.state if s.per_row)

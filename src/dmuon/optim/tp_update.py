@@ -83,7 +83,7 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     """:func:`dmuon.optim.update.muon_update_batch_` for same-shape tensor-parallel *shards* ([Note: TP
     update]): every tp rank of the owner slot passes its shards of the same matrices, in the same order, and
     each shard receives its part of the full matrix's Muon update (the lr scaled by ``full_shape``, or by each
-    row block of ``blocks``, which describe the full matrix: [Note: matrix blocks] in
+    block of ``blocks``, row or column ones, which describe the full matrix: [Note: matrix blocks] in
     ``dmuon/runtime/blocks.py``).
 
     Example::
@@ -98,9 +98,10 @@ def muon_update_tp_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     updates = _stacked_updates(grads, momentum_buffers, hp)
     orthos, _ = orthogonalise_tp(updates, hp, full_shape=full_shape, tp_dim=tp_dim, tp_rank=tp_rank,
                                  tp_size=tp_size, exchange=exchange, blocks=blocks)
-    row_start = tp_rank * params[0].shape[0] if tp_dim == 0 else 0  # the shard's first row of the full matrix
+    # where the shard starts along the blocks' dim of the full matrix (0 when TP splits the other dim)
+    start = tp_rank * params[0].shape[tp_dim] if tp_dim == len(full_shape) + blocks.dim else 0
     for p, o in zip(params, orthos):
-        _apply_update_(p, o, hp, blocks, row_start)
+        _apply_update_(p, o, hp, blocks, start)
 
 
 def check_shards(params: Sequence[Tensor], full_shape: Sequence[int], tp_dim: int, tp_size: int,

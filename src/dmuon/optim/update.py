@@ -229,26 +229,24 @@ def _orthogonalise(update: Tensor, hp: MuonHParams) -> Tensor:
 
 def orthogonalise(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
     """Newton-Schulz of every matrix of ``update``, whose shape is ``blocks.shape`` or ``(N, *blocks.shape)``
-    (``N`` parameters of the same layout, stacked): each run of equal row blocks goes through one batched
-    call, and the result comes back in the update's shape, in Newton-Schulz's native dtype. A lone 2-D
-    matrix takes the 2-D call, as ``torch.optim.Muon`` does."""
+    (``N`` parameters of the same layout, stacked): each run of equal blocks (rows, interleaved rows or
+    columns: :meth:`Blocks.view`) goes through one batched call on its matrices in the parameter's own
+    orientation, and the result comes back in the update's shape, in Newton-Schulz's native dtype. A lone
+    2-D matrix takes the 2-D call, as ``torch.optim.Muon`` does."""
     lead = update.ndim - len(blocks.shape)
     if lead not in (0, 1) or tuple(update.shape[lead:]) != blocks.shape:
         raise ValueError(f"dmuon.optim: update of shape {tuple(update.shape)} does not hold blocks of {blocks.shape}")
-    n = blocks.cols
     if len(blocks.rows) == 1:  # the matrices are the trailing two dims: a view
         if update.ndim == 2:
             return _orthogonalise(update, hp)
-        return _orthogonalise(update.reshape(-1, blocks.rows[0], n), hp).view(update.shape)
-    if blocks.groups > 1:
-        return _orthogonalise_interleaved(update, hp, blocks)
+        return _orthogonalise(update.reshape(-1, *update.shape[-2:]), hp).view(update.shape)
     out: Tensor | None = None
     for run in blocks.runs:
-        region = update[..., run.start:run.stop, :]
-        result = _orthogonalise(region.reshape(-1, run.size, n), hp)
+        region = blocks.view(update, run)
+        result = _orthogonalise(region.reshape(-1, *blocks.run_shape(run)), hp)
         if out is None:  # every run has the same native dtype: it depends on the device and backend only
             out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
-        out[..., run.start:run.stop, :].copy_(result.view(region.shape))
+        blocks.view(out, run).copy_(result.view(region.shape))
     return out  # type: ignore[return-value]
 
 
@@ -275,36 +273,21 @@ def decay_(param: Tensor, update: Tensor, hp: MuonHParams) -> None:
     param.copy_(torch.where((update * param) >= 0, param * factor, param))
 
 
-def _orthogonalise_interleaved(update: Tensor, hp: MuonHParams, blocks: Blocks) -> Tensor:
-    """:func:`orthogonalise` for blocks that repeat ``blocks.groups`` times along the rows: each run's rows
-    gathered from every group, ``(..., c, groups * size, n)``, one batched call, scattered back."""
-    groups, n = blocks.groups, blocks.cols
-    # (..., groups, period, n) views; a run's region (..., groups, c * size, n) -> (..., c, groups, size, n)
-    view = update.unflatten(-2, (groups, blocks.period))
-    out: Tensor | None = None
-    for run in blocks.runs:
-        region = view[..., run.start:run.stop, :].unflatten(-2, (run.count, run.size)).transpose(-4, -3)
-        result = _orthogonalise(region.reshape(-1, groups * run.size, n), hp)
-        if out is None:
-            out = torch.empty(update.shape, dtype=result.dtype, device=update.device)
-        target = out.unflatten(-2, (groups, blocks.period))[..., run.start:run.stop, :]
-        target.unflatten(-2, (run.count, run.size)).transpose(-4, -3).copy_(result.view(region.shape))
-    return out  # type: ignore[return-value]
-
-
-def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, blocks: Blocks, row_start: int = 0) -> None:
-    """Decoupled decay (:func:`decay_`) then the scaled step, as ``torch.optim.Muon``. Each run
-    of row blocks steps with its own block's lr. ``blocks`` describe the whole parameter; ``param`` may be
-    a tensor-parallel shard of it whose rows start at ``row_start`` of the whole (the lr scales with the
-    block, not the shard)."""
+def _apply_update_(param: Tensor, ortho: Tensor, hp: MuonHParams, blocks: Blocks, start: int = 0) -> None:
+    """Decoupled decay (:func:`decay_`) then the scaled step, as ``torch.optim.Muon``. Each run of blocks
+    steps with its own block's lr. ``blocks`` describe the whole parameter; ``param`` may be a
+    tensor-parallel shard of it whose extent along the blocks' dim (``blocks.dim``) starts at ``start`` of
+    the whole (the lr scales with the block, not the shard)."""
     decay_(param, ortho, hp)
     # ``ortho`` may be float16 (Gram form): the add computes in float32 and rounds once into the param
-    runs = blocks.rows_in(row_start, row_start + param.shape[-2])
-    if len(runs) == 1:
-        param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, (runs[0][2], blocks.cols)))
+    dim = blocks.dim
+    spans = blocks.spans(start, start + param.shape[dim])
+    if len(spans) == 1:
+        param.add_(ortho, alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, spans[0][2]))
         return
-    for lo, hi, rows in runs:
-        param[..., lo:hi, :].add_(ortho[..., lo:hi, :], alpha=-adjusted_lr(hp.lr, hp.adjust_lr_fn, (rows, blocks.cols)))
+    for lo, hi, shape in spans:
+        lr = adjusted_lr(hp.lr, hp.adjust_lr_fn, shape)
+        param.narrow(dim, lo, hi - lo).add_(ortho.narrow(dim, lo, hi - lo), alpha=-lr)
 
 
 def _stacked_updates(grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor], hp: MuonHParams) -> Tensor:

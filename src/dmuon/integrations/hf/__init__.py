@@ -116,7 +116,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f"dmuon.integrations.hf needs transformers and accelerate ({e}); pip install transformers accelerate"
     ) from e
 
-from ._model import dmuon_model_of
+from ._model import dmuon_model_of, matrix_blocks
 from .qk_clip import QK_CLIP_ATTENTION, use_qk_clip_attention
 from .accelerator import _ACCEL_IMPLS, _ACCEL_ORIGINALS
 from .trainer import (
@@ -136,8 +136,8 @@ from .trainer import (
     _t_train,
 )
 
-__all__ = ["DMuonTrainer", "install", "uninstall", "is_installed", "dmuon_model_of", "use_qk_clip_attention",
-           "QK_CLIP_ATTENTION"]
+__all__ = ["DMuonTrainer", "install", "uninstall", "is_installed", "dmuon_model_of", "matrix_blocks",
+           "use_qk_clip_attention", "QK_CLIP_ATTENTION"]
 
 
 # --------------------------------------------------------------------------------------------------- #
