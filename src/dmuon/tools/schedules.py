@@ -35,7 +35,8 @@ from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broa
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "VALIDATION_DESIGNS", "simulate_design", "expert_counts", "owner_plan"]
+__all__ = ["DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule", "expert_counts",
+           "owner_plan"]
 
 DESIGNS = {
     "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
@@ -72,14 +73,15 @@ def _coll(sc: Scenario, name: str, phase: str, kind: str, group: Group, nbytes: 
     reduce) or a2a; ``nbytes`` as its time function takes it; ``phase`` forward, backward, step (inside
     ``step()``, exposed) or optimizer (an all-to-all design's, costed with its NS); ``units``: the per-unit
     calls it is issued in, of which all but the first (forward) or last (backward) can hide (0: none can).
-    ``bytes`` in the result: what each rank sends."""
+    ``bytes`` in the result: what each rank sends; ``payload``: ``nbytes`` (0 on one rank), what a runtime
+    counter records."""
     links = sc.links
     fn = {"gather": all_gather_ms, "all_reduce": all_reduce_ms, "broadcast": broadcast_ms, "a2a": all_to_all_ms}
     g = group.size
     wire = {"gather": nbytes * (g - 1) / g, "all_reduce": 2 * nbytes * (g - 1) / g, "broadcast": nbytes,
             "a2a": nbytes * (g - 1) / g}[kind] if g > 1 else 0.0
     return {"name": name, "phase": phase, "group": g, "link": "nvlink" if group.nodes(links) == 1 else "network",
-            "bytes": wire, "calls": calls if g > 1 else 0, "units": units,
+            "bytes": wire, "payload": nbytes if g > 1 else 0.0, "calls": calls if g > 1 else 0, "units": units,
             "ms": fn[kind](nbytes, group, links, calls)}
 
 
@@ -169,28 +171,73 @@ def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter
     return len({layer for layer, _ in pairs}), Counter(column for _, column in pairs)
 
 
-def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+#: dmuon's collectives as the runtime counts them (``dmuon.diagnostics.comm_counts``): planner name -> (kind, dim)
+DMUON_COMM = {"dmuon forward broadcast": ("forward_broadcast", "shard"),
+              "dmuon backward broadcast": ("backward_broadcast", "shard"),
+              "dmuon reduce": ("reduce", "shard"), "dmuon replicate reduce": ("reduce", "replicate"),
+              "dmuon replicate publish": ("replicate_publish", "replicate"), "dmuon tp exchange": ("tp_exchange", "tp")}
+
+
+def _dmuon_plan(sc: Scenario, sz: ModelSizes) -> OwnerPlan:
+    """``dedicate_params``'s owner plan for ``sz`` on ``sc``'s grid, experts preloaded where the engine puts them."""
+    counts = expert_counts(sz.experts, sc.shard) if sz.experts else [0] * sc.shard
+    per_expert = sum(ns_cost((m, n)) for m, n in sz.expert_params) * sz.layers
+    preload = tuple(float(c * per_expert) for c in counts) * sc.replicas if sz.experts else None
+    return owner_plan(sz.muon, sc.shard * sc.replicas, preload)
+
+
+def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> list[dict[str, Any]]:
+    """dmuon's own collectives of one step on a rank of shard column ``column`` (the replicate stages differ by
+    column: a column's holders reduce and publish what it holds)."""
     S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
-    counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
-    per_expert = sum(ns_cost((m, n)) for m, n in sz.expert_params) * L
-    preload = tuple(float(c * per_expert) for c in counts) * R if sz.experts else None
-    plan = owner_plan(sz.muon, S * R, preload)
     g = _groups(sc)
-    root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
-    colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
     calls, columns = _launches(sz, plan, S)
     nb = sz.muon_elements * b / T
-    colls.append(_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L))
+    colls = [_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L)]
     if sc.reshard == "z3":
         colls.append(_coll(sc, "dmuon backward broadcast", "backward", "broadcast", g["shard"], nb, calls, L))
     colls.append(_coll(sc, "dmuon reduce", "backward", "broadcast", g["shard"], nb, calls, L))
     if R > 1:
-        column = [sum(plan.ranks[r * S + s].numel for r in range(R)) for s in range(S)]
-        c = max(range(S), key=lambda s: column[s])
-        cb, cc = column[c] * b / T, columns.get(c, 0)
+        cb, cc = sum(plan.ranks[r * S + column].numel for r in range(R)) * b / T, columns.get(column, 0)
         colls.append(_coll(sc, "dmuon replicate reduce", "backward", "broadcast", g["replicate"], cb, cc, L))
         publish = ("forward", L) if sc.publish_async else ("step", 0)
         colls.append(_coll(sc, "dmuon replicate publish", publish[0], "broadcast", g["replicate"], cb, cc, publish[1]))
+    return colls
+
+
+def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None) -> dict[tuple[str, str], dict[str, int]]:
+    """What dmuon's runtime launches in one training step (forward, backward, ``step()``) on the rank at owner
+    slot ``slot`` (``replicate index x shard + shard index``): ``{(kind, dim): {"calls", "bytes"}}``, named as
+    ``dmuon.diagnostics.comm_counts`` names them (``bytes``: the payload, every part of a launch). ``sizes``:
+    the model's matrices as it names them (default: the preset's, :func:`sizes_of`). Without tensor
+    parallelism: its exchange depends on the busiest owner's shape groups only.
+
+    Example::
+
+        from dmuon.tools.presets import PRESETS
+        sched = dmuon_schedule(Scenario(PRESETS["llama3-8b"], 64, replicas=8), slot=0)
+        print(sched[("reduce", "replicate")])   # {'calls': ..., 'bytes': ...}
+    """
+    sz = sizes_of(sc.shape, sc.seq) if sizes is None else sizes
+    if sc.tp > 1 or not 0 <= slot < sc.shard * sc.replicas:
+        raise ValueError(f"dmuon_schedule: slot must be in [0, {sc.shard * sc.replicas}) and tp 1, got slot "
+                         f"{slot!r}, tp {sc.tp}")
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for c in _dmuon_comm(sc, sz, _dmuon_plan(sc, sz), slot % sc.shard):
+        if c["calls"]:
+            out[DMUON_COMM[c["name"]]] = {"calls": c["calls"], "bytes": round(c["payload"])}
+    return out
+
+
+def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
+    counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
+    plan = _dmuon_plan(sc, sz)
+    g = _groups(sc)
+    root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
+    colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
+    column = [sum(plan.ranks[r * S + s].numel for r in range(R)) for s in range(S)]
+    colls += _dmuon_comm(sc, sz, plan, max(range(S), key=lambda s: column[s]))  # the busiest column
     ns = [_dmuon_ns(sc, sz, plan, s) for s in range(S * R)]
     busiest = max(range(S * R), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel / T, b))
     if T > 1:
