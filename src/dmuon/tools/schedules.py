@@ -20,12 +20,18 @@ The designs (:data:`DESIGNS`):
   stand-in for dion's own, :mod:`dmuon.tools.ns_table`) and overlaps one batch's all-to-alls with another's
   NS. Under HSDP both orthogonalise within the shard group, so every replica repeats the work. Experts,
   already whole on each rank (dim-0 shards), run a batched NS where they live in every design.
+* what-if, not in the runtime: ``dmuon_node`` (issue 32 item 2, owner groups that follow the network): on a
+  1-D mesh over several nodes each boundary's matrices are owned inside one node, and each phase moves in
+  three launches: inside the owner node (NVLink), one hop across nodes on every rail (the ranks of one local
+  index, each carrying ``1/gpus_per_node`` of the boundary), inside every node (NVLink); the gradient
+  mirrors it (reduce-scatter in each node, reduce across nodes, reduce to the owners).
 * validation only: ``naive`` (the benchmark's naive FSDP2 + Muon: every rank gathers every matrix and its
   gradient and orthogonalises all of them) and ``torch_muon`` (one unsharded ``torch.optim.Muon`` per GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from functools import lru_cache
 from typing import Any
@@ -35,7 +41,7 @@ from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broa
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule", "expert_counts",
+__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule", "expert_counts",
            "owner_plan"]
 
 DESIGNS = {
@@ -43,6 +49,9 @@ DESIGNS = {
     "dmuon": "persistent ownership: broadcast before each boundary, reduce to the owner, NS where it is owned",
     "distmuon": "all-to-all design with torch's NS per matrix, all-to-alls not overlapped (torchtitan)",
     "dion": "all-to-all design, batches of the shard group, NS overlapped with the all-to-alls (microsoft/dion)",
+}
+WHAT_IF_DESIGNS = {
+    "dmuon_node": "dmuon with each boundary owned inside one node: one hop across nodes per phase (not built)",
 }
 VALIDATION_DESIGNS = {
     "naive": "every rank all-gathers each Muon matrix and gradient in step() and orthogonalises all of them",
@@ -205,6 +214,44 @@ def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> l
     return colls
 
 
+def _node_comm(sc: Scenario, sz: ModelSizes) -> list[dict[str, Any]]:
+    """``dmuon_node``'s three launches per boundary and phase (module docstring), on a rank of the node that owns
+    the most boundaries."""
+    n, L = sc.links.gpus_per_node, sz.layers
+    nodes, nb = sc.shard // n, sz.muon_elements * sc.dtype_bytes
+    node, rail = Group(n, 1), Group(nodes, n)
+    mine = -(-L // nodes)  # boundaries owned in this node, round-robin
+    colls = []
+    for phase, what in (("forward", "forward"), ("backward", "backward")) if sc.reshard == "z3" else (
+            ("forward", "forward"),):
+        colls += [_coll(sc, f"dmuon {what} broadcast (owner node)", phase, "broadcast", node, nb * mine / L, mine, mine),
+                  _coll(sc, f"dmuon {what} broadcast (across nodes)", phase, "broadcast", rail, nb / n, L, L),
+                  _coll(sc, f"dmuon {what} all-gather (in node)", phase, "gather", node, nb, L, L)]
+    return colls + [_coll(sc, "dmuon reduce-scatter (in node)", "backward", "gather", node, nb, L, L),
+                    _coll(sc, "dmuon reduce (across nodes)", "backward", "broadcast", rail, nb / n, L, L),
+                    _coll(sc, "dmuon reduce (owner node)", "backward", "broadcast", node, nb * mine / L, mine, mine)]
+
+
+def _dmuon_node(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    """``dmuon_node``: as ``dmuon``, its shard-group phases replaced by :func:`_node_comm`, its owner plan made per
+    node (the boundaries dealt round-robin to the nodes, each node's matrices planned over its ranks)."""
+    n = sc.links.gpus_per_node
+    if sc.replicas > 1 or sc.tp > 1 or sz.experts or sc.shard % n or sc.shard == n:
+        raise ValueError(f"dmuon.plan: dmuon_node models a 1-D mesh over several whole nodes of a dense model, got "
+                         f"{sc.replicas} x {sc.shard}, tp {sc.tp}, {sc.links.gpus_per_node} GPUs a node")
+    out = _dmuon(sc, sz)
+    layers = sorted({layer for _, _, layer in sz.muon}, key=lambda x: [int(t) if t.isdigit() else t for t in x.split(".")])
+    ours = set(layers[:: sc.shard // n])  # node 0's boundaries
+    plan = owner_plan(tuple(m for m in sz.muon if m[2] in ours), n, None)
+    ns = [_dmuon_ns(dataclasses.replace(sc, world=n), sz, plan, s) for s in range(n)]
+    busiest = max(range(n), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel, sc.dtype_bytes))
+    out["collectives"] = [c for c in out["collectives"] if not c["name"].startswith("dmuon")] + _node_comm(sc, sz)
+    out.update(ns_ms=ns[busiest], ns_rank=busiest, plan=plan, idle_owners=sum(1 for r in plan.ranks if not r.fqns),
+               elementwise_ms=muon_update_ms(plan.ranks[busiest].numel, sc.dtype_bytes)
+               + adamw_ms(sz.rest / sc.shard, sc.dtype_bytes))
+    return out
+
+
 def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None) -> dict[tuple[str, str], dict[str, int]]:
     """What dmuon's runtime launches in one training step (forward, backward, ``step()``) on the rank at owner
     slot ``slot`` (``replicate index x shard + shard index``): ``{(kind, dim): {"calls", "bytes"}}``, named as
@@ -306,6 +353,8 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
         parts = _baseline(sc, sz)
     elif design == "dmuon":
         parts = _dmuon(sc, sz)
+    elif design == "dmuon_node":
+        parts = _dmuon_node(sc, sz)
     elif design in _NS:
         parts = _all_to_all(sc, sz, design)
     elif design == "naive":
@@ -314,7 +363,7 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
         parts = _torch_muon(sc, sz)
     else:
         raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
-                         f"{', '.join([*DESIGNS, *VALIDATION_DESIGNS])}")
+                         f"{', '.join([*DESIGNS, *WHAT_IF_DESIGNS, *VALIDATION_DESIGNS])}")
     out = _phases(sc, sz, parts["collectives"], parts["fsdp_units"])
     muon_step = parts.get("muon_step_ms", parts["ns_ms"])
     out["optimizer_ms"] = muon_step + parts["elementwise_ms"] + out["exposed_step_ms"]
