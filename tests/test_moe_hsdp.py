@@ -1,12 +1,16 @@
 """Experts on the engine's shards under HSDP (2 x 2 on 4 gloo ranks): the replicate rows split each chunk's
 Newton-Schulz and gather the results ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``).
 
-Against the single-process oracle (torch's Muon per expert), against every row computing its copy (the path
-before the split, taken here by refusing the split) bit for bit, with plain Muon and with NorMuon (whose per-row
-statistic travels in the gather too); each expert orthogonalised once per shard column; one launch per step.
+The split runs where a shard column sits in one node (torchrun's ``LOCAL_WORLD_SIZE``; set here as torchrun
+would): with 4 ranks a node it splits, with 2 a node the column's rows are on two nodes and every row computes
+its copy (the path before the split). Against the single-process oracle (torch's Muon per expert), split
+against not split bit for bit, with plain Muon and with NorMuon (whose per-row statistic travels in the gather
+too); each expert orthogonalised once per shard column; one launch per step.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,7 +20,6 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.optim import normuon as normuon_mod
-from dmuon.optim import sharded
 from dmuon.optim import update as update_mod
 from dmuon.tools.moe import expert_predicate
 from tests._asserts import assert_bitwise, assert_close_to
@@ -32,16 +35,16 @@ EXPERT_SHAPES = {(MOE_CFG.expert_dim, MOE_CFG.dim), (MOE_CFG.dim, MOE_CFG.expert
 
 
 def _train(rank: int, world: int, split: bool, algorithm: str) -> dict:
-    saved = sharded._column_split, update_mod.orthogonalise, normuon_mod.orthogonalise
+    saved = update_mod.orthogonalise, normuon_mod.orthogonalise
+    os.environ["LOCAL_WORLD_SIZE"] = str(world if split else REPLICAS)  # one node, or the rows on two nodes
     try:
-        return _train_with(rank, world, split, algorithm)
+        return _train_with(rank, world, algorithm)
     finally:
-        sharded._column_split, update_mod.orthogonalise, normuon_mod.orthogonalise = saved
+        update_mod.orthogonalise, normuon_mod.orthogonalise = saved
+        del os.environ["LOCAL_WORLD_SIZE"]
 
 
-def _train_with(rank: int, world: int, split: bool, algorithm: str) -> dict:
-    if not split:  # every row computes its copy: the path before the split
-        sharded._column_split = lambda p, ctx: False
+def _train_with(rank: int, world: int, algorithm: str) -> dict:
     seen: list[int] = []
     real = update_mod.orthogonalise
 

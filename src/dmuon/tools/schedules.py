@@ -164,12 +164,24 @@ def _baseline(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
             "fsdp_units": sz.layers + 1, "local_experts": local_experts}
 
 
+def _expert_share(sc: Scenario, sz: ModelSizes, slot: int) -> int:
+    """Experts per layer and param whose update ``slot`` computes: its chunk's, split over the replicate rows
+    like ``torch.chunk`` ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``)."""
+    count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
+    return expert_counts(count, sc.replicas)[slot // sc.shard] if count and _splits_experts(sc) else count
+
+
+def _splits_experts(sc: Scenario) -> bool:
+    """Whether the replicate rows split the experts' updates: HSDP without expert parallelism, the replicate
+    group inside one node (the runtime's rule, ``dmuon/optim/sharded.py``)."""
+    return sc.replicas > 1 and sc.ep == 1 and _groups(sc)["replicate"].nodes(sc.links) == 1
+
+
 def _dmuon_ns(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, slot: int) -> float:
     shape_of = {fqn: shape for fqn, shape, _ in sz.muon}
     groups = Counter(shape_of[f] for f in plan.ranks[slot].fqns)
     dense = sum(ns_ms(sc.ns_backend, m, n, -(-k // sc.tp)) for (m, n), k in groups.items())
-    count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
-    return dense + _expert_ns(sc, sz, sc.ns_backend, count, per_param=False) / sc.tp
+    return dense + _expert_ns(sc, sz, sc.ns_backend, _expert_share(sc, sz, slot), per_param=False) / sc.tp
 
 
 def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]:
@@ -184,7 +196,8 @@ def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter
 DMUON_COMM = {"dmuon forward broadcast": ("forward_broadcast", "shard"),
               "dmuon backward broadcast": ("backward_broadcast", "shard"),
               "dmuon reduce": ("reduce", "shard"), "dmuon replicate reduce": ("reduce", "replicate"),
-              "dmuon replicate publish": ("replicate_publish", "replicate"), "dmuon tp exchange": ("tp_exchange", "tp")}
+              "dmuon replicate publish": ("replicate_publish", "replicate"), "dmuon tp exchange": ("tp_exchange", "tp"),
+              "dmuon expert gather": ("sharded_update", "replicate")}
 
 
 def _dmuon_plan(sc: Scenario, sz: ModelSizes) -> OwnerPlan:
@@ -211,6 +224,9 @@ def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> l
         colls.append(_coll(sc, "dmuon replicate reduce", "backward", "broadcast", g["replicate"], cb, cc, L))
         publish = ("forward", L) if sc.publish_async else ("step", 0)
         colls.append(_coll(sc, "dmuon replicate publish", publish[0], "broadcast", g["replicate"], cb, cc, publish[1]))
+        if sz.experts and expert_counts(sz.experts, S)[column] and _splits_experts(sc):  # every share's value and momentum, one launch
+            xb = 2 * expert_counts(sz.experts, S)[column] * L * sum(r * c for r, c in sz.expert_params) * b / T
+            colls.append(_coll(sc, "dmuon expert gather", "step", "gather", g["replicate"], xb, 1, 0))
     return colls
 
 
@@ -291,7 +307,7 @@ def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
         shapes = len({shape for fqn, shape, _ in sz.muon if plan.owners[fqn] == busiest})
         slot_bytes = plan.ranks[busiest].numel * b / T
         colls.append(_coll(sc, "dmuon tp exchange", "step", "a2a", g["tp"], 2 * slot_bytes, 2 * shapes, 0))
-    local = counts[busiest % S] * L * sum(r * c for r, c in sz.expert_params)
+    local = _expert_share(sc, sz, busiest) * L * sum(r * c for r, c in sz.expert_params)
     elementwise = (muon_update_ms(plan.ranks[busiest].numel / T + local, b)
                    + adamw_ms(sz.rest / (S * T), b))
     # experts stay in per-layer FSDP2 units whatever the wrap of the rest
