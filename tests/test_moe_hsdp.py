@@ -106,7 +106,8 @@ def test_each_expert_is_orthogonalised_once_per_column_and_gathered_in_one_launc
     shard = WORLD // REPLICAS
     for rank, r in enumerate(runs):
         run, before = r[True, algorithm], r[False, algorithm]
-        assert before["ns_experts"] == STEPS * experts // shard, (rank, before["ns_experts"])  # each row all of its chunk
+        # not split: each row all of its chunk; split: each row its share
+        assert before["ns_experts"] == STEPS * experts // shard, (rank, before["ns_experts"])
         assert run["ns_experts"] == STEPS * experts // (shard * REPLICAS), (rank, run["ns_experts"])
         # the value and every state tensor (NorMuon's per-row statistic too) of the chunk's experts, all shares
         keys = ["momentum_buffer"] + (["row_second_moment"] if algorithm == "normuon" else [])

@@ -151,7 +151,8 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
         stepped.append(p)
         share = slice(None)
         if _column_split(p, ctx):
-            share = slice(*_shares(target.shape[0], ctx.replicate_size)[ctx.replicate_index])  # type: ignore[union-attr]
+            R, me = ctx.replicate_size, ctx.replicate_index  # type: ignore[union-attr]
+            share = slice(*_shares(target.shape[0], R)[me])
             split.append((target, *(st[k]._local_tensor for k in sorted(st) if k != "master")))
             if share.start == share.stop:
                 continue

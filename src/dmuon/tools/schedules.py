@@ -41,8 +41,8 @@ from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broa
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule", "expert_counts",
-           "owner_plan"]
+__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule",
+           "expert_counts", "owner_plan"]
 
 DESIGNS = {
     "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
@@ -224,7 +224,8 @@ def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> l
         colls.append(_coll(sc, "dmuon replicate reduce", "backward", "broadcast", g["replicate"], cb, cc, L))
         publish = ("forward", L) if sc.publish_async else ("step", 0)
         colls.append(_coll(sc, "dmuon replicate publish", publish[0], "broadcast", g["replicate"], cb, cc, publish[1]))
-        if sz.experts and expert_counts(sz.experts, S)[column] and _splits_experts(sc):  # every share's value and momentum, one launch
+        # the experts' split over the rows: every share's value and momentum, one launch
+        if sz.experts and expert_counts(sz.experts, S)[column] and _splits_experts(sc):
             xb = 2 * expert_counts(sz.experts, S)[column] * L * sum(r * c for r, c in sz.expert_params) * b / T
             colls.append(_coll(sc, "dmuon expert gather", "step", "gather", g["replicate"], xb, 1, 0))
     return colls
@@ -240,7 +241,8 @@ def _node_comm(sc: Scenario, sz: ModelSizes) -> list[dict[str, Any]]:
     colls = []
     for phase, what in (("forward", "forward"), ("backward", "backward")) if sc.reshard == "z3" else (
             ("forward", "forward"),):
-        colls += [_coll(sc, f"dmuon {what} broadcast (owner node)", phase, "broadcast", node, nb * mine / L, mine, mine),
+        colls += [_coll(sc, f"dmuon {what} broadcast (owner node)", phase, "broadcast", node, nb * mine / L, mine,
+                        mine),
                   _coll(sc, f"dmuon {what} broadcast (across nodes)", phase, "broadcast", rail, nb / n, L, L),
                   _coll(sc, f"dmuon {what} all-gather (in node)", phase, "gather", node, nb, L, L)]
     return colls + [_coll(sc, "dmuon reduce-scatter (in node)", "backward", "gather", node, nb, L, L),
@@ -256,7 +258,8 @@ def _dmuon_node(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
         raise ValueError(f"dmuon.plan: dmuon_node models a 1-D mesh over several whole nodes of a dense model, got "
                          f"{sc.replicas} x {sc.shard}, tp {sc.tp}, {sc.links.gpus_per_node} GPUs a node")
     out = _dmuon(sc, sz)
-    layers = sorted({layer for _, _, layer in sz.muon}, key=lambda x: [int(t) if t.isdigit() else t for t in x.split(".")])
+    layers = sorted({layer for _, _, layer in sz.muon},
+                    key=lambda x: [int(t) if t.isdigit() else t for t in x.split(".")])
     ours = set(layers[:: sc.shard // n])  # node 0's boundaries
     plan = owner_plan(tuple(m for m in sz.muon if m[2] in ours), n, None)
     ns = [_dmuon_ns(dataclasses.replace(sc, world=n), sz, plan, s) for s in range(n)]
@@ -268,7 +271,8 @@ def _dmuon_node(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
     return out
 
 
-def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None) -> dict[tuple[str, str], dict[str, int]]:
+def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None
+                   ) -> dict[tuple[str, str], dict[str, int]]:
     """What dmuon's runtime launches in one training step (forward, backward, ``step()``) on the rank at owner
     slot ``slot`` (``replicate index x shard + shard index``): ``{(kind, dim): {"calls", "bytes"}}``, named as
     ``dmuon.diagnostics.comm_counts`` names them (``bytes``: the payload, every part of a launch). ``sizes``:
