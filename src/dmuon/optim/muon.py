@@ -570,7 +570,7 @@ class Muon(torch.optim.Optimizer):
         """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""
         hp, rule = hparams_of(group), rule_of(group)  # the group's algorithm (dmuon/optim/rules.py)
         engine_muon.step_params(self._sharded_in(group), hp, self.state, self._layouts(self._dmuon_state),
-                                self.master_dtype, self._sharded_seen, rule)
+                                self.master_dtype, self._sharded_seen, rule, ctx=self._dmuon_state.ctx)
         by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
         for p in group["params"]:
             dp = owned.get(id(p))

@@ -7,25 +7,45 @@ param is whole matrices, ``[E_local, m, n]``. Newton–Schulz runs right there, 
 matrices, with no gather and no broadcast of dmuon's: the engine's own all-gather before the module and
 reduce-scatter after backward are the "broadcast" and "reduce" of an owner design, and they carry the
 experts whatever the optimizer is. Each expert then has one owner per replicate row (the rank holding its
-chunk); under HSDP every replicate row computes the same update on its copy.
+chunk); under HSDP the rows split it ([Note: expert NS across replicas]).
 
 Momentum (and a ``master_dtype`` master, and any state of the group's update rule: NorMuon's per-row second
 moment ``[E, m, 1]``) is optimizer state laid out like the param, a DTensor, so
 state dicts treat it as they treat AdamW's moments. A rank whose chunk is empty (more ranks than
 experts) skips the param. The rest is the update of an owned param, per matrix (the group's rule,
 ``dmuon/optim/rules.py``, on the local tensors, the lr read from each block).
+
+[Note: expert NS across replicas]
+Under HSDP the ranks of one shard column (same shard index, every replicate row) hold the same chunk with the
+same averaged gradient and the same state, so each would compute the same update. Instead the chunk's experts
+are split like ``torch.chunk`` over the column's replicate indices: each updates its share (momentum, any
+per-row statistic, Newton-Schulz, the step, on dim-0 slices of the local tensors), and one all-gather over
+the replicate group brings every rank the others' shares, the updated values (the master where there is
+one) and every state tensor, as raw bytes: one launch per step whatever the dtypes (``comm.gather_shares``,
+``CommKind.SHARDED_UPDATE``). Each matrix's arithmetic is the one of the unsplit batch (bit for bit on
+the CPU), so the split changes which rank computes, not the bits. The gather carries the state too
+(momentum as large as the param): gathering only Newton-Schulz's outputs would halve the bytes but needs
+every rule split at its Newton-Schulz, and an unsplit state would differ between rows after a restart from a
+checkpoint of one of them. Split only where the param's replicate mesh dim is dmuon's replicate column (the
+mesh given to ``dedicate_params`` and ``fully_shard`` alike; expert parallelism's own meshes keep every row
+computing its copy) and that column sits in one node (torchrun's ``LOCAL_WORLD_SIZE``): the gather moves
+twice the chunk, which NVLink carries in less time than the Newton-Schulz it saves, a network link in more
+(``python -m dmuon.plan --simulate``, Qwen3-30B-A3B on 8 x 8 HSDP, 4 x 2048 tokens: splitting across nodes
+would take the busiest rank's NS from 99 to 20 ms and add 254 ms of exposed gather).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from ..runtime import comm as C
 from ..runtime.blocks import Blocks
 from ..runtime.param import splits_dim0_only
 from ..runtime.precision import is_wider, refresh_master_
@@ -80,12 +100,47 @@ def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None
     rule.init_state_(st, p, master_dtype_of(p, master_dtype) or p.dtype)
 
 
+def _one_node(ranks: tuple[int, ...]) -> bool:
+    """Whether ``ranks`` share a node by torchrun's numbering (``LOCAL_WORLD_SIZE`` consecutive ranks a node);
+    unknown (no ``LOCAL_WORLD_SIZE``): no."""
+    try:
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return False
+    return per_node > 0 and len({r // per_node for r in ranks}) == 1
+
+
+def _column_split(p: DTensor, ctx: C.CommContext | None) -> bool:
+    """Whether the rows split ``p``'s update: its replicate mesh dim is dmuon's replicate column, inside one
+    node (metadata and the launcher's environment only; the same answer on every rank of the column)."""
+    if ctx is None or ctx.replicate_size == 1 or p.device_mesh.ndim != 2 or not isinstance(p.placements[0], Replicate):
+        return False
+    coord = p.device_mesh.get_coordinate()
+    if coord is None:
+        return False
+    column = tuple(int(r) for r in p.device_mesh.mesh[:, coord[1]].tolist())
+    return column == tuple(ctx.global_rank(C.Dim.REPLICATE, r) for r in range(ctx.replicate_size)) and _one_node(column)
+
+
+def _shares(n: int, parts: int) -> list[tuple[int, int]]:
+    """``torch.chunk``'s ranges of ``n`` experts over ``parts`` ranks (the last ones short or empty)."""
+    step = -(-n // parts)
+    return [(min(n, k * step), min(n, (k + 1) * step)) for k in range(parts)]
+
+
+def _byte_views(t: Tensor, a: int, b: int) -> Tensor:
+    return t[a:b].reshape(-1).view(torch.uint8)
+
+
 def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mapping[Tensor, dict[str, Any]],
                 layouts: Mapping[str, Blocks], master_dtype: torch.dtype | None, seen: dict[int, int],
-                rule: UpdateRule = RULES[Algorithm.MUON]) -> None:
+                rule: UpdateRule = RULES[Algorithm.MUON], *, ctx: C.CommContext | None = None) -> None:
     """Muon on every rank's whole matrices of the ``(fqn, param)`` of one param group: same local shape, dtypes
-    and blocks batched into one Newton-Schulz call per run of blocks."""
-    batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor]]] = {}
+    and blocks batched into one Newton-Schulz call per run of blocks. ``ctx``: dmuon's groups; under HSDP the
+    replicate rows split each chunk's experts and gather the results ([Note: expert NS across replicas])."""
+    batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor, slice]]] = {}
+    stepped: list[DTensor] = []
+    split: list[tuple[Tensor, ...]] = []  # per split param: its value and state tensors, whole (what the rows gather)
     for fqn, p in named:
         if p.grad is None or p._local_tensor.shape[0] == 0:  # no gradient, or an empty chunk on this rank
             continue
@@ -93,13 +148,48 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
         target = update_target(p, st, master_dtype, seen)
         grad = p.grad._local_tensor.to(target.dtype)
         rule.init_state_(st, p, target.dtype)
+        stepped.append(p)
+        share = slice(None)
+        if _column_split(p, ctx):
+            R, me = ctx.replicate_size, ctx.replicate_index  # type: ignore[union-attr]
+            share = slice(*_shares(target.shape[0], R)[me])
+            split.append((target, *(st[k]._local_tensor for k in sorted(st) if k != "master")))
+            if share.start == share.stop:
+                continue
+            target, grad = target[share], grad[share]
         blocks = Blocks.of(target.shape, layouts[fqn].spec)  # this rank's experts, the param's row blocks
-        batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad))
+        batches.setdefault((tuple(target.shape), target.dtype, grad.dtype, blocks), []).append((p, target, grad, share))
     for (*_, blocks), items in batches.items():
-        rule.update_([t for _, t, _ in items], [g for _, _, g in items],
-                     [{k: v._local_tensor for k, v in state[p].items()} for p, _, _ in items], hp, blocks)
-        for p, target, _ in items:
-            if target is not p._local_tensor:  # a master: round the result into the param
-                with torch.no_grad():
-                    p._local_tensor.copy_(target)
-                seen[id(p)] = p._local_tensor._version
+        rule.update_([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+                     [{k: v._local_tensor[share] for k, v in state[p].items()} for p, _, _, share in items], hp, blocks)
+    if split:
+        _gather_shares(split, ctx)  # type: ignore[arg-type]
+    for p in stepped:
+        if master_dtype_of(p, master_dtype) is not None:  # round the master's result into the param
+            with torch.no_grad():
+                p._local_tensor.copy_(state[p]["master"]._local_tensor)
+            seen[id(p)] = p._local_tensor._version
+
+
+def _gather_shares(split: list[tuple[Tensor, ...]], ctx: C.CommContext) -> None:
+    """One all-gather over the replicate group: each row's share of every split tensor, as bytes."""
+    R, me = ctx.replicate_size, ctx.replicate_index
+    ranges = [_shares(tensors[0].shape[0], R) for tensors in split]
+
+    def views(r: int) -> list[Tensor]:
+        return [_byte_views(t, *rng[r]) for tensors, rng in zip(split, ranges) for t in tensors]
+
+    parts = []
+    for r in range(R):
+        chunks = views(r)
+        n = sum(c.numel() for c in chunks)
+        parts.append(torch.cat(chunks) if r == me and n else torch.empty(n, dtype=torch.uint8,
+                                                                         device=split[0][0].device))
+    C.gather_shares(ctx, parts)
+    for r in range(R):
+        if r == me:
+            continue
+        off = 0
+        for view in views(r):
+            view.copy_(parts[r][off:off + view.numel()])
+            off += view.numel()

@@ -27,8 +27,8 @@ from .errors import raise_internal
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
-    "reduce_parts", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max", "all_gather_object",
-    "broadcast_object", "grids_from_views",
+    "reduce_parts", "gather_shares", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max",
+    "all_gather_object", "broadcast_object", "grids_from_views",
 ]
 
 
@@ -57,6 +57,10 @@ class CommKind(enum.Enum):
     #: Newton-Schulz, and the result's shards back ([Note: TP update] in ``dmuon/optim/tp_update.py``); counted
     #: as what this rank sends to its tp peers.
     TP_EXCHANGE = "tp_exchange"
+    #: HSDP, in ``step()``: each replicate row's share of the experts' updated values and state to the other
+    #: rows of its shard column ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``); counted as
+    #: the bytes of every share.
+    SHARDED_UPDATE = "sharded_update"
 
 
 @dataclass
@@ -426,6 +430,13 @@ def reduce_parts(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind
         work = dist.reduce_scatter(parts[me], list(parts), op=dist.ReduceOp.AVG, group=ctx.groups[dim],
                                    async_op=True)
     return PendingComm(work, parts[me])
+
+
+def gather_shares(ctx: CommContext, parts: Sequence[torch.Tensor]) -> None:
+    """Every replicate index ``i`` sends ``parts[i]`` (1-D bytes, sizes may differ) and receives every other
+    index's in place: one launch, blocking (``step()`` reads the result next). [Note: expert NS across
+    replicas] in ``dmuon/optim/sharded.py``."""
+    wait(gather_parts(ctx, parts, CommKind.SHARDED_UPDATE, "expert shares", dim=Dim.REPLICATE))
 
 
 def _gathers_uneven(ctx: CommContext, dim: Dim) -> bool:

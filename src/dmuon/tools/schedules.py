@@ -20,12 +20,18 @@ The designs (:data:`DESIGNS`):
   stand-in for dion's own, :mod:`dmuon.tools.ns_table`) and overlaps one batch's all-to-alls with another's
   NS. Under HSDP both orthogonalise within the shard group, so every replica repeats the work. Experts,
   already whole on each rank (dim-0 shards), run a batched NS where they live in every design.
+* what-if, not in the runtime: ``dmuon_node`` (issue 32 item 2, owner groups that follow the network): on a
+  1-D mesh over several nodes each boundary's matrices are owned inside one node, and each phase moves in
+  three launches: inside the owner node (NVLink), one hop across nodes on every rail (the ranks of one local
+  index, each carrying ``1/gpus_per_node`` of the boundary), inside every node (NVLink); the gradient
+  mirrors it (reduce-scatter in each node, reduce across nodes, reduce to the owners).
 * validation only: ``naive`` (the benchmark's naive FSDP2 + Muon: every rank gathers every matrix and its
   gradient and orthogonalises all of them) and ``torch_muon`` (one unsharded ``torch.optim.Muon`` per GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from functools import lru_cache
 from typing import Any
@@ -35,13 +41,17 @@ from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broa
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "VALIDATION_DESIGNS", "simulate_design", "expert_counts", "owner_plan"]
+__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule",
+           "expert_counts", "owner_plan"]
 
 DESIGNS = {
     "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
     "dmuon": "persistent ownership: broadcast before each boundary, reduce to the owner, NS where it is owned",
     "distmuon": "all-to-all design with torch's NS per matrix, all-to-alls not overlapped (torchtitan)",
     "dion": "all-to-all design, batches of the shard group, NS overlapped with the all-to-alls (microsoft/dion)",
+}
+WHAT_IF_DESIGNS = {
+    "dmuon_node": "dmuon with each boundary owned inside one node: one hop across nodes per phase (not built)",
 }
 VALIDATION_DESIGNS = {
     "naive": "every rank all-gathers each Muon matrix and gradient in step() and orthogonalises all of them",
@@ -72,14 +82,15 @@ def _coll(sc: Scenario, name: str, phase: str, kind: str, group: Group, nbytes: 
     reduce) or a2a; ``nbytes`` as its time function takes it; ``phase`` forward, backward, step (inside
     ``step()``, exposed) or optimizer (an all-to-all design's, costed with its NS); ``units``: the per-unit
     calls it is issued in, of which all but the first (forward) or last (backward) can hide (0: none can).
-    ``bytes`` in the result: what each rank sends."""
+    ``bytes`` in the result: what each rank sends; ``payload``: ``nbytes`` (0 on one rank), what a runtime
+    counter records."""
     links = sc.links
     fn = {"gather": all_gather_ms, "all_reduce": all_reduce_ms, "broadcast": broadcast_ms, "a2a": all_to_all_ms}
     g = group.size
     wire = {"gather": nbytes * (g - 1) / g, "all_reduce": 2 * nbytes * (g - 1) / g, "broadcast": nbytes,
             "a2a": nbytes * (g - 1) / g}[kind] if g > 1 else 0.0
     return {"name": name, "phase": phase, "group": g, "link": "nvlink" if group.nodes(links) == 1 else "network",
-            "bytes": wire, "calls": calls if g > 1 else 0, "units": units,
+            "bytes": wire, "payload": nbytes if g > 1 else 0.0, "calls": calls if g > 1 else 0, "units": units,
             "ms": fn[kind](nbytes, group, links, calls)}
 
 
@@ -153,12 +164,24 @@ def _baseline(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
             "fsdp_units": sz.layers + 1, "local_experts": local_experts}
 
 
+def _expert_share(sc: Scenario, sz: ModelSizes, slot: int) -> int:
+    """Experts per layer and param whose update ``slot`` computes: its chunk's, split over the replicate rows
+    like ``torch.chunk`` ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``)."""
+    count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
+    return expert_counts(count, sc.replicas)[slot // sc.shard] if count and _splits_experts(sc) else count
+
+
+def _splits_experts(sc: Scenario) -> bool:
+    """Whether the replicate rows split the experts' updates: HSDP without expert parallelism, the replicate
+    group inside one node (the runtime's rule, ``dmuon/optim/sharded.py``)."""
+    return sc.replicas > 1 and sc.ep == 1 and _groups(sc)["replicate"].nodes(sc.links) == 1
+
+
 def _dmuon_ns(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, slot: int) -> float:
     shape_of = {fqn: shape for fqn, shape, _ in sz.muon}
     groups = Counter(shape_of[f] for f in plan.ranks[slot].fqns)
     dense = sum(ns_ms(sc.ns_backend, m, n, -(-k // sc.tp)) for (m, n), k in groups.items())
-    count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
-    return dense + _expert_ns(sc, sz, sc.ns_backend, count, per_param=False) / sc.tp
+    return dense + _expert_ns(sc, sz, sc.ns_backend, _expert_share(sc, sz, slot), per_param=False) / sc.tp
 
 
 def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter]:
@@ -169,35 +192,126 @@ def _launches(sz: ModelSizes, plan: OwnerPlan, shard: int) -> tuple[int, Counter
     return len({layer for layer, _ in pairs}), Counter(column for _, column in pairs)
 
 
-def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+#: dmuon's collectives as the runtime counts them (``dmuon.diagnostics.comm_counts``): planner name -> (kind, dim)
+DMUON_COMM = {"dmuon forward broadcast": ("forward_broadcast", "shard"),
+              "dmuon backward broadcast": ("backward_broadcast", "shard"),
+              "dmuon reduce": ("reduce", "shard"), "dmuon replicate reduce": ("reduce", "replicate"),
+              "dmuon replicate publish": ("replicate_publish", "replicate"), "dmuon tp exchange": ("tp_exchange", "tp"),
+              "dmuon expert gather": ("sharded_update", "replicate")}
+
+
+def _dmuon_plan(sc: Scenario, sz: ModelSizes) -> OwnerPlan:
+    """``dedicate_params``'s owner plan for ``sz`` on ``sc``'s grid, experts preloaded where the engine puts them."""
+    counts = expert_counts(sz.experts, sc.shard) if sz.experts else [0] * sc.shard
+    per_expert = sum(ns_cost((m, n)) for m, n in sz.expert_params) * sz.layers
+    preload = tuple(float(c * per_expert) for c in counts) * sc.replicas if sz.experts else None
+    return owner_plan(sz.muon, sc.shard * sc.replicas, preload)
+
+
+def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> list[dict[str, Any]]:
+    """dmuon's own collectives of one step on a rank of shard column ``column`` (the replicate stages differ by
+    column: a column's holders reduce and publish what it holds)."""
     S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
-    counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
-    per_expert = sum(ns_cost((m, n)) for m, n in sz.expert_params) * L
-    preload = tuple(float(c * per_expert) for c in counts) * R if sz.experts else None
-    plan = owner_plan(sz.muon, S * R, preload)
     g = _groups(sc)
-    root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
-    colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
     calls, columns = _launches(sz, plan, S)
     nb = sz.muon_elements * b / T
-    colls.append(_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L))
+    colls = [_coll(sc, "dmuon forward broadcast", "forward", "broadcast", g["shard"], nb, calls, L)]
     if sc.reshard == "z3":
         colls.append(_coll(sc, "dmuon backward broadcast", "backward", "broadcast", g["shard"], nb, calls, L))
     colls.append(_coll(sc, "dmuon reduce", "backward", "broadcast", g["shard"], nb, calls, L))
     if R > 1:
-        column = [sum(plan.ranks[r * S + s].numel for r in range(R)) for s in range(S)]
-        c = max(range(S), key=lambda s: column[s])
-        cb, cc = column[c] * b / T, columns.get(c, 0)
+        cb, cc = sum(plan.ranks[r * S + column].numel for r in range(R)) * b / T, columns.get(column, 0)
         colls.append(_coll(sc, "dmuon replicate reduce", "backward", "broadcast", g["replicate"], cb, cc, L))
         publish = ("forward", L) if sc.publish_async else ("step", 0)
         colls.append(_coll(sc, "dmuon replicate publish", publish[0], "broadcast", g["replicate"], cb, cc, publish[1]))
+        # the experts' split over the rows: every share's value and momentum, one launch
+        if sz.experts and expert_counts(sz.experts, S)[column] and _splits_experts(sc):
+            xb = 2 * expert_counts(sz.experts, S)[column] * L * sum(r * c for r, c in sz.expert_params) * b / T
+            colls.append(_coll(sc, "dmuon expert gather", "step", "gather", g["replicate"], xb, 1, 0))
+    return colls
+
+
+def _node_comm(sc: Scenario, sz: ModelSizes) -> list[dict[str, Any]]:
+    """``dmuon_node``'s three launches per boundary and phase (module docstring), on a rank of the node that owns
+    the most boundaries."""
+    n, L = sc.links.gpus_per_node, sz.layers
+    nodes, nb = sc.shard // n, sz.muon_elements * sc.dtype_bytes
+    node, rail = Group(n, 1), Group(nodes, n)
+    mine = -(-L // nodes)  # boundaries owned in this node, round-robin
+    colls = []
+    for phase, what in (("forward", "forward"), ("backward", "backward")) if sc.reshard == "z3" else (
+            ("forward", "forward"),):
+        colls += [_coll(sc, f"dmuon {what} broadcast (owner node)", phase, "broadcast", node, nb * mine / L, mine,
+                        mine),
+                  _coll(sc, f"dmuon {what} broadcast (across nodes)", phase, "broadcast", rail, nb / n, L, L),
+                  _coll(sc, f"dmuon {what} all-gather (in node)", phase, "gather", node, nb, L, L)]
+    return colls + [_coll(sc, "dmuon reduce-scatter (in node)", "backward", "gather", node, nb, L, L),
+                    _coll(sc, "dmuon reduce (across nodes)", "backward", "broadcast", rail, nb / n, L, L),
+                    _coll(sc, "dmuon reduce (owner node)", "backward", "broadcast", node, nb * mine / L, mine, mine)]
+
+
+def _dmuon_node(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    """``dmuon_node``: as ``dmuon``, its shard-group phases replaced by :func:`_node_comm`, its owner plan made per
+    node (the boundaries dealt round-robin to the nodes, each node's matrices planned over its ranks)."""
+    n = sc.links.gpus_per_node
+    if sc.replicas > 1 or sc.tp > 1 or sz.experts or sc.shard % n or sc.shard == n:
+        raise ValueError(f"dmuon.plan: dmuon_node models a 1-D mesh over several whole nodes of a dense model, got "
+                         f"{sc.replicas} x {sc.shard}, tp {sc.tp}, {sc.links.gpus_per_node} GPUs a node")
+    out = _dmuon(sc, sz)
+    layers = sorted({layer for _, _, layer in sz.muon},
+                    key=lambda x: [int(t) if t.isdigit() else t for t in x.split(".")])
+    ours = set(layers[:: sc.shard // n])  # node 0's boundaries
+    plan = owner_plan(tuple(m for m in sz.muon if m[2] in ours), n, None)
+    ns = [_dmuon_ns(dataclasses.replace(sc, world=n), sz, plan, s) for s in range(n)]
+    busiest = max(range(n), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel, sc.dtype_bytes))
+    out["collectives"] = [c for c in out["collectives"] if not c["name"].startswith("dmuon")] + _node_comm(sc, sz)
+    out.update(ns_ms=ns[busiest], ns_rank=busiest, plan=plan, idle_owners=sum(1 for r in plan.ranks if not r.fqns),
+               elementwise_ms=muon_update_ms(plan.ranks[busiest].numel, sc.dtype_bytes)
+               + adamw_ms(sz.rest / sc.shard, sc.dtype_bytes))
+    return out
+
+
+def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None
+                   ) -> dict[tuple[str, str], dict[str, int]]:
+    """What dmuon's runtime launches in one training step (forward, backward, ``step()``) on the rank at owner
+    slot ``slot`` (``replicate index x shard + shard index``): ``{(kind, dim): {"calls", "bytes"}}``, named as
+    ``dmuon.diagnostics.comm_counts`` names them (``bytes``: the payload, every part of a launch). ``sizes``:
+    the model's matrices as it names them (default: the preset's, :func:`sizes_of`). Without tensor
+    parallelism: its exchange depends on the busiest owner's shape groups only.
+
+    Example::
+
+        from dmuon.tools.presets import PRESETS
+        sched = dmuon_schedule(Scenario(PRESETS["llama3-8b"], 64, replicas=8), slot=0)
+        print(sched[("reduce", "replicate")])   # {'calls': ..., 'bytes': ...}
+    """
+    sz = sizes_of(sc.shape, sc.seq) if sizes is None else sizes
+    if sc.tp > 1 or not 0 <= slot < sc.shard * sc.replicas:
+        raise ValueError(f"dmuon_schedule: slot must be in [0, {sc.shard * sc.replicas}) and tp 1, got slot "
+                         f"{slot!r}, tp {sc.tp}")
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for c in _dmuon_comm(sc, sz, _dmuon_plan(sc, sz), slot % sc.shard):
+        if c["calls"]:
+            out[DMUON_COMM[c["name"]]] = {"calls": c["calls"], "bytes": round(c["payload"])}
+    return out
+
+
+def _dmuon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
+    S, R, T, b, L = sc.shard, sc.replicas, sc.tp, sc.dtype_bytes, sz.layers
+    counts = expert_counts(sz.experts, S) if sz.experts else [0] * S
+    plan = _dmuon_plan(sc, sz)
+    g = _groups(sc)
+    root = sz.rest if sc.dmuon_wrap != "layers" else sz.embed + sz.head + sz.hidden
+    colls = _fsdp2(sc, sz, sc.dmuon_wrap, root, sz.rest - root)
+    column = [sum(plan.ranks[r * S + s].numel for r in range(R)) for s in range(S)]
+    colls += _dmuon_comm(sc, sz, plan, max(range(S), key=lambda s: column[s]))  # the busiest column
     ns = [_dmuon_ns(sc, sz, plan, s) for s in range(S * R)]
     busiest = max(range(S * R), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel / T, b))
     if T > 1:
         shapes = len({shape for fqn, shape, _ in sz.muon if plan.owners[fqn] == busiest})
         slot_bytes = plan.ranks[busiest].numel * b / T
         colls.append(_coll(sc, "dmuon tp exchange", "step", "a2a", g["tp"], 2 * slot_bytes, 2 * shapes, 0))
-    local = counts[busiest % S] * L * sum(r * c for r, c in sz.expert_params)
+    local = _expert_share(sc, sz, busiest) * L * sum(r * c for r, c in sz.expert_params)
     elementwise = (muon_update_ms(plan.ranks[busiest].numel / T + local, b)
                    + adamw_ms(sz.rest / (S * T), b))
     # experts stay in per-layer FSDP2 units whatever the wrap of the rest
@@ -259,6 +373,8 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
         parts = _baseline(sc, sz)
     elif design == "dmuon":
         parts = _dmuon(sc, sz)
+    elif design == "dmuon_node":
+        parts = _dmuon_node(sc, sz)
     elif design in _NS:
         parts = _all_to_all(sc, sz, design)
     elif design == "naive":
@@ -267,7 +383,7 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
         parts = _torch_muon(sc, sz)
     else:
         raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
-                         f"{', '.join([*DESIGNS, *VALIDATION_DESIGNS])}")
+                         f"{', '.join([*DESIGNS, *WHAT_IF_DESIGNS, *VALIDATION_DESIGNS])}")
     out = _phases(sc, sz, parts["collectives"], parts["fsdp_units"])
     muon_step = parts.get("muon_step_ms", parts["ns_ms"])
     out["optimizer_ms"] = muon_step + parts["elementwise_ms"] + out["exposed_step_ms"]

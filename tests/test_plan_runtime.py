@@ -1,0 +1,99 @@
+"""The planner's schedule is what the runtime does: ``python -m dmuon.plan --simulate`` charges dmuon, per step and
+rank, the collectives the runtime issues (kind, group, payload bytes, launches), exactly.
+
+The runtime side: a 4-layer Llama-shaped model (``tests._training.CFG4``; its projections dedicated, the rest in
+one FSDP2 root unit: the planner's ``dmuon_wrap="root"``) on 8 and 16 gloo ranks, flat and HSDP (2 x 4, 4 x 4),
+two steps; the second step is recorded (the first also publishes what the bind left stale). dmuon's
+``CommCounter`` gives every collective dmuon issued by kind and mesh dimension; wrapping ``torch.distributed``
+(``dmuon.tools.side_by_side.CollectiveCounter``) counts every launch of the step independently, FSDP2's included.
+The planner side: :func:`dmuon.tools.schedules.dmuon_schedule` for the same shape, mesh and rank, given the
+matrices as the model names them (the owner plan breaks ties by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.runtime.hooks import get_state
+from dmuon.tools.models import TinyLlama, projection_predicate
+from dmuon.tools.presets import LlamaShape
+from dmuon.tools.schedules import dmuon_schedule, simulate_design
+from dmuon.tools.side_by_side import CollectiveCounter
+from dmuon.tools.step_model import Scenario, sizes_of
+from tests._dist import DEVICE_TYPE, device, run_distributed
+from tests._training import CFG4, KJ
+
+RUNS_ON_CUDA = True
+#: world size -> the replicate sizes run on it (1: flat FSDP2)
+MESHES = {8: (1, 2), 16: (1, 4)}
+#: CFG4 as the planner reads it
+SHAPE = LlamaShape("cfg4", hidden=CFG4.dim, intermediate=CFG4.hidden_dim, layers=CFG4.n_layers, heads=CFG4.n_heads,
+                   kv_heads=CFG4.n_kv_heads, head_dim=CFG4.head_dim, vocab=CFG4.vocab_size)
+
+
+def _one(rank: int, world: int, replicas: int) -> dict:
+    torch.manual_seed(0)
+    if replicas > 1:
+        mesh = init_device_mesh(DEVICE_TYPE, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        shard, replicate = mesh["shard"], mesh["replicate"]
+    else:
+        mesh = shard = init_device_mesh(DEVICE_TYPE, (world,))
+        replicate = None
+    model = TinyLlama(CFG4)
+    model.init_weights(0)
+    model = model.to(device())
+    dmuon.dedicate_params(model, shard, projection_predicate, replicate_mesh=replicate)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tok = torch.randint(0, CFG4.vocab_size, (2, 9), generator=gen).to(device())
+        dmuon.diagnostics.reset_comm_counts(model)
+        with CollectiveCounter() as launches:
+            opt.zero_grad()
+            logits = model(tok[:, :-1]).logits
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tok[:, 1:].reshape(-1)).backward()
+            opt.step()
+    state = get_state(model)
+    counts = {(kind, dim): {"calls": d["calls"], "bytes": d["bytes"]}
+              for kind, v in dmuon.diagnostics.comm_counts(model).items() for dim, d in v["by_dim"].items()}
+    return {"slot": state.ctx.rank, "counts": counts, "launches": sum(v["calls"] for v in launches.as_dict().values()),
+            "matrices": tuple((dp.fqn, tuple(dp.shape), g.fqn) for g in state.groups for dp in g.params)}
+
+
+def _job(rank: int, world: int) -> dict:
+    return {replicas: _one(rank, world, replicas) for replicas in MESHES[world]}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    return {world: run_distributed(_job, world) for world in MESHES}
+
+
+def _planned(world: int, replicas: int, res: dict) -> tuple[dict, int]:
+    """The planner's dmuon schedule for ``res``'s rank, and its FSDP2 launches of the step."""
+    sc = Scenario(SHAPE, world, replicas=replicas, dtype_bytes=4)
+    sizes = dataclasses.replace(sizes_of(SHAPE, sc.seq), muon=tuple(sorted(res["matrices"])))
+    fsdp2 = sum(c["calls"] for c in simulate_design(sc, "dmuon")["collectives"] if c["name"].startswith("fsdp2"))
+    return dmuon_schedule(sc, slot=res["slot"], sizes=sizes), fsdp2
+
+
+@pytest.mark.parametrize("world,replicas", [(w, r) for w, rs in MESHES.items() for r in rs])
+def test_runtime_issues_the_planners_schedule(runs, world, replicas):
+    results = [r[replicas] for r in runs[world]]
+    assert sorted(r["slot"] for r in results) == list(range(world))
+    # the planner's matrices are the preset's shapes, under the model's names
+    assert sorted(s for _, s, _ in results[0]["matrices"]) == sorted(s for _, s, _ in sizes_of(SHAPE, 1).muon)
+    for res in results:
+        planned, fsdp2 = _planned(world, replicas, res)
+        what = (world, replicas, res["slot"])
+        assert res["counts"] == planned, what
+        # every launch of the step is dmuon's or FSDP2's, as planned
+        assert res["launches"] == sum(v["calls"] for v in planned.values()) + fsdp2, (what, res["launches"])
