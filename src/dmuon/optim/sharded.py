@@ -100,14 +100,32 @@ def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None
     rule.init_state_(st, p, master_dtype_of(p, master_dtype) or p.dtype)
 
 
-def _one_node(ranks: tuple[int, ...]) -> bool:
-    """Whether ``ranks`` share a node by torchrun's numbering (``LOCAL_WORLD_SIZE`` consecutive ranks a node);
-    unknown (no ``LOCAL_WORLD_SIZE``): no."""
+#: (the job's ranks, this rank's ``LOCAL_WORLD_SIZE``) -> ranks per node agreed over the job (``None``: unknown, or
+#: not the same on every rank)
+_PER_NODE: dict[tuple[tuple[int, ...], int], int | None] = {}
+
+
+def _local_world_size() -> int:
     try:
-        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        return int(os.environ["LOCAL_WORLD_SIZE"])
     except (KeyError, ValueError):
-        return False
-    return per_node > 0 and len({r // per_node for r in ranks}) == 1
+        return 0
+
+
+def _agree_per_node(ctx: C.CommContext) -> None:
+    """Agree on torchrun's ``LOCAL_WORLD_SIZE`` as every rank reads it, once per value: ranks that read different
+    values (nodes of different sizes) would split differently and hang in the gather, so then nobody splits.
+    Called by every rank at the same point (the top of :func:`step_params`)."""
+    key = (ctx.global_ranks, _local_world_size())
+    if key not in _PER_NODE:
+        _PER_NODE[key] = C.agreed_int(ctx, key[1]) or None
+
+
+def _one_node(ranks: tuple[int, ...], ctx: C.CommContext) -> bool:
+    """Whether ``ranks`` share a node by torchrun's numbering (``LOCAL_WORLD_SIZE`` consecutive ranks a node, the
+    same on every rank); unknown: no."""
+    per_node = _PER_NODE.get((ctx.global_ranks, _local_world_size()))
+    return per_node is not None and len({r // per_node for r in ranks}) == 1
 
 
 def _column_split(p: DTensor, ctx: C.CommContext | None) -> bool:
@@ -119,7 +137,7 @@ def _column_split(p: DTensor, ctx: C.CommContext | None) -> bool:
     if coord is None:
         return False
     column = tuple(int(r) for r in p.device_mesh.mesh[:, coord[1]].tolist())
-    return column == tuple(ctx.global_rank(C.Dim.REPLICATE, r) for r in range(ctx.replicate_size)) and _one_node(column)
+    return column == tuple(ctx.global_rank(C.Dim.REPLICATE, r) for r in range(ctx.replicate_size)) and _one_node(column, ctx)
 
 
 def _shares(n: int, parts: int) -> list[tuple[int, int]]:
@@ -138,6 +156,8 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
     """Muon on every rank's whole matrices of the ``(fqn, param)`` of one param group: same local shape, dtypes
     and blocks batched into one Newton-Schulz call per run of blocks. ``ctx``: dmuon's groups; under HSDP the
     replicate rows split each chunk's experts and gather the results ([Note: expert NS across replicas])."""
+    if ctx is not None and ctx.replicate_size > 1:
+        _agree_per_node(ctx)
     batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor, slice]]] = {}
     stepped: list[DTensor] = []
     split: list[tuple[Tensor, ...]] = []  # per split param: its value and state tensors, whole (what the rows gather)

@@ -28,7 +28,7 @@ from .errors import raise_internal
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
     "reduce_parts", "gather_shares", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max",
-    "all_gather_object", "broadcast_object", "grids_from_views",
+    "all_gather_object", "broadcast_object", "grids_from_views", "agreed_int",
 ]
 
 
@@ -504,6 +504,13 @@ def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_job_group(ctx))
     n = value.numel()
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
+
+
+def agreed_int(ctx: CommContext, value: int) -> int | None:
+    """``value`` where every rank of the job passed the same one, else ``None``: one all-reduce of two numbers
+    (a host read; for a setting read from each rank's environment, once). Not counted."""
+    both = all_reduce_max(ctx, torch.tensor([float(value), -float(value)], device=ctx.device)).tolist()
+    return value if both[0] == -both[1] else None
 
 
 def all_gather_default(obj: object) -> list[object]:
