@@ -56,14 +56,17 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     """Everything about this ``deepspeed.initialize`` call dmuon cannot train, each with its fix (this rank)."""
     out = []
     stage = int(config.zero_optimization_stage)
-    if stage not in (1, 2):
-        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 1 and 2 (stage 3 "
-                   "partitions every param itself, stage 0 all-reduces every gradient, the dedicated ones too): set "
-                   "\"zero_optimization\": {\"stage\": 1} or {\"stage\": 2}")
+    if stage not in (0, 1, 2):
+        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 0, 1 and 2 (stage 3 "
+                   "partitions every param itself, the dedicated ones too): set \"zero_optimization\": {\"stage\": "
+                   "2} (or 0 or 1)")
+    dtype = _dtype(config)
+    if stage == 0 and dtype is not None:
+        out.append(f"ZeRO stage 0 in {dtype} runs DeepSpeed's FP16_UnfusedOptimizer, whose norm and overflow check "
+                   "dmuon does not join: use ZeRO stage 1 or 2 for bf16 / fp16, or train stage 0 in fp32")
     found = _optimizer_problem(state, optimizer, model_parameters)
     if found is not None:
         out.append(found)
-    dtype = _dtype(config)
     wrong = [dp for dp in state.dedicated() if dtype is not None and dp.compute_dtype != dtype]
     if wrong:
         out.append(f"the config trains in {dtype} but dedicated param {wrong[0].fqn!r} computes in "

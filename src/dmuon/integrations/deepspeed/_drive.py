@@ -34,7 +34,8 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
-from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_problems
+from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_of, part_problems
+from ._stage0 import Stage0
 
 __all__ = ["Drive"]
 
@@ -45,8 +46,10 @@ class Drive:
 
     #: what the glue replaces on each object, per instance (``install`` checks they exist)
     ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict", "load_checkpoint",
-                                                  "is_gradient_accumulation_boundary", "load_universal_checkpoint",
-                                                  "_get_all_ckpt_names", "_get_zero_ckpt_name")
+                                                  "save_checkpoint", "is_gradient_accumulation_boundary",
+                                                  "load_universal_checkpoint", "_get_all_ckpt_names",
+                                                  "_get_zero_ckpt_name", "zero_optimization_stage",
+                                                  *Stage0.ENGINE_METHODS)
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
                                                 "unscale_and_clip_grads", "refresh_fp32_params",
                                                 "_lazy_init_hp_params_optimizer_state")
@@ -67,7 +70,11 @@ class Drive:
         self._checked: ModelLoad | None = None
         #: ZeRO's norm of this step, combined with the dedicated gradients' (``scaled_global_norm``)
         self.norm: torch.Tensor | None = None
+        #: ZeRO stage 0, while ``engine.save_checkpoint`` runs: every rank's owned part, gathered (rank 0 writes
+        #: the one file that holds the optimizer, [Note: DeepSpeed stage 0])
+        self._parts: list[Any] | None = None
         self.engine: Any = None
+        self.stage = -1
 
     # ------------------------------------------------------------------ #
     # Attaching                                                            #
@@ -75,13 +82,20 @@ class Drive:
     def attach(self, engine: Any) -> None:
         """``DeepSpeedEngine.__init__`` is done: bind the engine, route dmuon's steps through it."""
         self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
         zero = engine.optimizer
-        for name in ("step", "scaled_global_norm", "has_overflow", "zero_grad"):
-            setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
+        if self.stage == 0:  # no ZeRO optimizer: the engine's own methods ([Note: DeepSpeed stage 0])
+            Stage0(self.state, self.muon, self.facade, engine).attach()
+        else:
+            for name in ("step", "scaled_global_norm", "has_overflow", "zero_grad"):
+                setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
+        engine.save_checkpoint = functools.wraps(engine.save_checkpoint)(
+            functools.partial(self._save_checkpoint, engine.save_checkpoint))
         engine.module_state_dict = self._module_state_dict
         engine.load_module_state_dict = self._load_module_state_dict
         engine.load_checkpoint = functools.wraps(engine.load_checkpoint)(
-            functools.partial(load_checkpoint, engine, self.state, self.muon, engine.load_checkpoint, self._check))
+            functools.partial(load_checkpoint, engine, self.state, self.muon, self.facade, engine.load_checkpoint,
+                              self._check))
         muon = self.muon
         muon._deepspeed_drive = self
         muon._adamw.param_groups = [g for g in muon.param_groups if g["kind"] == "adamw_owned"]  # owners' AdamW
@@ -162,12 +176,22 @@ class Drive:
         else:
             set_model_state_dict(self.state.model, checkpoint["module"])
 
+    def _save_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """``engine.save_checkpoint`` (every rank). At stage 0 only rank 0 writes the optimizer's state (in the
+        model file), so every rank's owned part is gathered first and the facade's state dict carries them all."""
+        if self.stage == 0:
+            self._parts = C.all_gather_object(self.state.ctx, _on_cpu(owned_part(self.state, self.muon)))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._parts = None
+
     def _save_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        sd[STATE_KEY] = owned_part(self.state, self.muon)
+        sd[STATE_KEY] = {"parts": self._parts} if self._parts is not None else owned_part(self.state, self.muon)
         return sd
 
     def _take_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        self._loaded = sd.pop(STATE_KEY, None)
+        self._loaded = part_of(sd.pop(STATE_KEY, None), self.state.ctx.rank)
         return sd
 
     def _relink(self, facade: Any) -> None:
@@ -191,6 +215,17 @@ class Drive:
                 self.muon.state[dp.param] = {k: v.to(dp.param.device) if isinstance(v, torch.Tensor) and k != "step"
                                              else v for k, v in entry.items()}
             dp.forget_master_version()
+
+
+def _on_cpu(x: Any) -> Any:
+    """``x`` with every tensor copied to the CPU (what a gather of objects sends)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
 
 
 def _bound(method: Any, original: Any) -> Any:
