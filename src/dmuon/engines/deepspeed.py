@@ -6,9 +6,10 @@ norm, skips a step on fp16 overflow, and steps its slice. dmuon hands it only th
 dedicate, so the dedicated ones are dmuon's alone: their gradients are averaged to the owner at the accumulation
 boundary DeepSpeed decides (:meth:`DeepSpeed.accumulation_boundary`), their norm joins DeepSpeed's, and the
 owners update them after DeepSpeed's step. Stage 0 is the same without ZeRO's slices: the engine all-reduces
-the other gradients itself and steps a torch ``AdamW`` over the model's own params. How dmuon plugs into ``deepspeed.initialize`` and DeepSpeed's optimizer
-is ``dmuon/integrations/deepspeed.py``; this module says what DeepSpeed means to the rest of dmuon. It imports
-deepspeed only in the methods of a binding (a model is DeepSpeed's once ``deepspeed.initialize`` took it).
+the other gradients itself and steps a torch ``AdamW`` over the model's own params. How dmuon plugs into
+``deepspeed.initialize`` and DeepSpeed's optimizer is ``dmuon/integrations/deepspeed``; this module says what
+DeepSpeed means to the rest of dmuon. It imports deepspeed only in the methods of a binding (a model is
+DeepSpeed's once ``deepspeed.initialize`` took it).
 
 [Note: DeepSpeed state dicts]
 dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
@@ -151,7 +152,11 @@ class DeepSpeed(Engine):
         return st
 
     def state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return p.dtype if self.stage0 else self.zero.single_partition_of_fp32_groups[0].dtype
+        if self.stage0:
+            return p.dtype
+        zero = self.zero  # ZeRO-1/2's slices, or BF16_Optimizer's (stage 1, bf16, fp32 accumulation)
+        slices = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+        return slices[0].dtype
 
     def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
                              ) -> dict[torch.Tensor, dict[str, Any]]:

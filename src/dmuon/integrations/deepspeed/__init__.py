@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO stage 0, 1 and 2 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
-dedicated params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the script has
-already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2 patch::
+dedicated params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the
+script has already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2
+patch::
 
     import deepspeed, dmuon
     dmuon.dedicate_params(model, mesh, predicate=...)
@@ -34,11 +35,14 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
   dmuon's full state dicts (``docs/guides/deepspeed.md``).
 * ``engine.step()`` runs ``dmuon.Muon.apply_update``, the update ``Muon.step`` runs (QK-clip included), with
   ZeRO's own step inside it.
-* Refused before anything changes, on every rank: ZeRO stage 3, bf16 / fp16 at stage 0, an optimizer other than the model's
-  ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another dtype than the
-  config's fp16 / bf16, bf16 with fp32 gradient accumulation at stage 1 (DeepSpeed's ``BF16_Optimizer``),
-  optimizer offload, ``elastic_checkpoint``, a config ``scheduler`` (it would set one lr for Muon and AdamW alike), model, tensor or
-  sequence parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
+* bf16 with fp32 gradient accumulation at stage 1 runs DeepSpeed's ``BF16_Optimizer`` instead of ZeRO's: its
+  ``step``, ``zero_grad`` and ``get_grads_for_norm`` join the same way (the norm it sums gets the dedicated
+  gradients' as one more term). A config ``"scheduler"`` sets the lr of ZeRO's groups; dmuon's follow at their
+  ratio as built ([Note: DeepSpeed config schedulers] in ``_drive.py``).
+* Refused before anything changes, on every rank: ZeRO stage 3, bf16 / fp16 at stage 0, an optimizer other than
+  the model's ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another
+  dtype than the config's fp16 / bf16, optimizer offload, ``elastic_checkpoint``, model, tensor or sequence
+  parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def install() -> None:
     """
     if is_installed():
         return
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     params = tuple(inspect.signature(DeepSpeedEngine.__init__).parameters)
@@ -127,6 +132,7 @@ def install() -> None:
     missing += [f"DeepSpeedEngine.{n}" for n in Drive.ENGINE_METHODS if not callable(getattr(DeepSpeedEngine, n, None))]
     missing += [f"DeepSpeedZeroOptimizer.{n}" for n in Drive.ZERO_METHODS
                 if not callable(getattr(DeepSpeedZeroOptimizer, n, None))]
+    missing += [f"BF16_Optimizer.{n}" for n in Drive.BF16_METHODS if not callable(getattr(BF16_Optimizer, n, None))]
     if missing:
         raise RuntimeError(
             f"dmuon.integrations.deepspeed supports deepspeed 0.19 (checked 0.19.8); deepspeed {deepspeed.__version__} "

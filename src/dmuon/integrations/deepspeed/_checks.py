@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
+from ._part import engine_groups
 
 __all__ = ["problems", "agree", "agreed"]
 
@@ -73,9 +74,6 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
                    f"{wrong[0].compute_dtype}: cast the model before dmuon.dedicate_params (model.to({dtype})), and "
                    "give dmuon.Muon master_dtype=torch.float32 for fp32 Muon state")
     zero = config.zero_config
-    if dtype == torch.bfloat16 and stage == 1 and config.grad_accum_dtype not in (None, "bf16", "bfloat16"):
-        out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
-                   "which dmuon does not drive: use ZeRO stage 2, or leave grad_accum_dtype unset")
     if getattr(zero, "elastic_checkpoint", False):
         out.append("zero_optimization.elastic_checkpoint saves ZeRO's AdamW state without the optimizer's own state "
                    "dict, so the owners' Muon state would not be saved; remove it (resume on another world size "
@@ -85,9 +83,12 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     if offload is not None and device not in ("none", "offloaddeviceenum.none"):
         out.append("zero_optimization.offload_optimizer is not supported with dmuon (its step runs on the CPU "
                    "slice only); remove it")
-    if config.scheduler_name is not None:
-        out.append(f"the config's scheduler {config.scheduler_name!r} would set one lr for Muon and AdamW alike; "
-                   "build a torch scheduler on dmuon.Muon and pass deepspeed.initialize(..., lr_scheduler=scheduler)")
+    engine_lrs = [g["lr"] for g in engine_groups(optimizer)] if isinstance(optimizer, Muon) else [1.0]
+    if config.scheduler_name is not None and engine_lrs and not engine_lrs[0]:
+        out.append(f"the config's scheduler {config.scheduler_name!r} sets the lr of the params ZeRO trains, and "
+                   "dmuon's groups follow it at their lr's ratio to the first of those groups, whose lr (adamw_lr) "
+                   "is 0: give dmuon.Muon a nonzero adamw_lr, or build a torch scheduler on dmuon.Muon and pass "
+                   "deepspeed.initialize(..., lr_scheduler=scheduler)")
     if state.tp_mesh is not None or state.sharded_muon or state.ctx.replicate_size > 1:
         out.append("dmuon's tensor-parallel, engine-sharded (muon_sharded) and HSDP params need FSDP2; under "
                    "DeepSpeed dedicate with a 1-D mesh over every rank")

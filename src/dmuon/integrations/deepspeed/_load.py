@@ -8,8 +8,9 @@ any check. A missing file on one rank, a checkpoint of another world size or a f
 late, on one rank, or never. dmuon's load instead runs in five steps:
 
 1. *read and check*, on each rank, everything its load will read: the model file and this rank's ZeRO file (the
-   one DeepSpeed reads; at stage 0 the model file holds every rank's part), the entries DeepSpeed looks up, the saved data-parallel world size, and dmuon's part
-   (owner plan, writing rank, groups, checksums: ``_part.py``); no collective, nothing written;
+   one DeepSpeed reads; at stage 0 the model file holds every rank's part), the entries DeepSpeed looks up, the
+   saved data-parallel world size, and dmuon's part (owner plan, writing rank, groups, checksums: ``_part.py``);
+   no collective, nothing written;
 2. *agree*: one gather, and every rank raises the same ``ValueError`` if any rank found a problem; then dmuon's
    model check (``check_model_sd``: keys, shapes, dtypes, checksums), which raises on every rank together too;
 3. *stage*: a CPU copy of everything DeepSpeed's load writes (params and masters, Muon's state and groups, ZeRO's
@@ -165,7 +166,8 @@ class Staged:
             for dp in state.owned():
                 if dp.master is not None:
                     self._tensor(dp.master)
-            for t in getattr(zero, "single_partition_of_fp32_groups", ()):
+            slices = getattr(zero, "single_partition_of_fp32_groups", getattr(zero, "fp32_groups_flat_partition", ()))
+            for t in slices:  # ZeRO-1/2's, or BF16_Optimizer's
                 self._tensor(t)
             self._map(muon.state, deep=True)
             for g in muon.param_groups:  # dmuon's groups and the facade's (shared) group dicts
@@ -176,8 +178,8 @@ class Staged:
                       for n in names if hasattr(o, n)]
         self.missing = [(o, n) for o, names in ((engine, self.ENGINE_ATTRS), (zero, self.ZERO_ATTRS))
                         for n in names if not hasattr(o, n)]
-        self.links = [(p, getattr(p, "_hp_mapping", None)) for group in getattr(zero, "bit16_groups", ())
-                      for p in group]
+        self.links = [(p, getattr(p, "_hp_mapping", None))
+                      for group in getattr(zero, "bit16_groups", getattr(zero, "bf16_groups", ())) for p in group]
         self.seen = [(dp, dp.seen_version) for dp in state.dedicated()]
         sched = engine.lr_scheduler
         self.scheduler = None if sched is None else _deep_copy(sched.state_dict())

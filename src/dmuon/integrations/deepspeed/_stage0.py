@@ -23,6 +23,7 @@ dmuon's back. Three methods of that engine and one of the facade change, per ins
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,8 +42,10 @@ class Stage0:
     #: what is replaced or read on the engine (``install`` checks they exist)
     ENGINE_METHODS = ("_get_gradients_for_reduction", "clip_fp32_gradients", "zero_grad", "gradient_clipping")
 
-    def __init__(self, state: DMuonState, muon: Muon, facade: torch.optim.Optimizer, engine: Any) -> None:
+    def __init__(self, state: DMuonState, muon: Muon, facade: torch.optim.Optimizer, engine: Any,
+                 before_step: Callable[[], None]) -> None:
         self.state, self.muon, self.facade, self.engine = state, muon, facade, engine
+        self.before_step = before_step  # dmuon's groups follow a config scheduler
 
     def attach(self) -> None:
         engine, facade = self.engine, self.facade
@@ -79,6 +82,7 @@ class Stage0:
             facade_step()
             return True
 
+        self.before_step()
         self.muon.apply_update(engine_step=engine_step)
 
     def _clip(self, max_norm: float) -> None:
