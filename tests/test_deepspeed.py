@@ -141,7 +141,8 @@ def misuse_job(rank: int, world: int) -> dict:
     init = deepspeed.initialize
     out = {
         "zero3": _refused(lambda: init(model=model, optimizer=opt, config=config(world, stage=3, accum=1))),
-        "zero0": _refused(lambda: init(model=model, optimizer=opt, config=config(world, stage=0, accum=1))),
+        "zero0_bf16": _refused(lambda: init(model=model, optimizer=opt, config=config(world, stage=0, accum=1,
+                                                                                       bf16={"enabled": True}))),
         "adamw": _refused(lambda: init(model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                        config=config(world, stage=2, accum=1))),
         "config_optimizer": _refused(lambda: init(model=model, config=config(
@@ -167,8 +168,8 @@ def misuse_job(rank: int, world: int) -> dict:
 
 
 MISUSE = {
-    "zero3": "supports DeepSpeed ZeRO stage 1 and 2",
-    "zero0": "supports DeepSpeed ZeRO stage 1 and 2",
+    "zero3": "supports DeepSpeed ZeRO stage 0, 1 and 2",
+    "zero0_bf16": "ZeRO stage 0 in torch.bfloat16 runs DeepSpeed's FP16_UnfusedOptimizer",
     "adamw": "is inside a DeepSpeed optimizer group (optimizer=AdamW)",
     "config_optimizer": "is inside a DeepSpeed optimizer group (the config's 'optimizer' section",
     "bf16": "cast the model before dmuon.dedicate_params",

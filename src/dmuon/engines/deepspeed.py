@@ -1,13 +1,15 @@
-"""DeepSpeed ZeRO stage 1 and 2 as dmuon's engine ([Note: engines] in ``base.py``).
+"""DeepSpeed ZeRO stage 0, 1 and 2 as dmuon's engine ([Note: engines] in ``base.py``).
 
 ZeRO-1/2 keeps every param whole on every rank and flattens the optimizer's param groups into one fp32 slice
 per rank; it averages (and, at stage 2, partitions) the gradients of the params in those groups, clips by their
 norm, skips a step on fp16 overflow, and steps its slice. dmuon hands it only the groups of the params it does not
 dedicate, so the dedicated ones are dmuon's alone: their gradients are averaged to the owner at the accumulation
 boundary DeepSpeed decides (:meth:`DeepSpeed.accumulation_boundary`), their norm joins DeepSpeed's, and the
-owners update them after DeepSpeed's step. How dmuon plugs into ``deepspeed.initialize`` and DeepSpeed's optimizer
-is ``dmuon/integrations/deepspeed.py``; this module says what DeepSpeed means to the rest of dmuon. It imports
-deepspeed only in the methods of a binding (a model is DeepSpeed's once ``deepspeed.initialize`` took it).
+owners update them after DeepSpeed's step. Stage 0 is the same without ZeRO's slices: the engine all-reduces
+the other gradients itself and steps a torch ``AdamW`` over the model's own params. How dmuon plugs into
+``deepspeed.initialize`` and DeepSpeed's optimizer is ``dmuon/integrations/deepspeed``; this module says what
+DeepSpeed means to the rest of dmuon. It imports deepspeed only in the methods of a binding (a model is
+DeepSpeed's once ``deepspeed.initialize`` took it).
 
 [Note: DeepSpeed state dicts]
 dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
@@ -16,7 +18,8 @@ slices, one per rank; DeepSpeed's own tensor-fragment functions (``deepspeed.uti
 ``safe_set_full_*``, which each rank calls for every param in the same order) give them whole and put them back
 into this world size's slices. So a param ZeRO trains has ``step``, ``exp_avg``, ``exp_avg_sq`` in ZeRO's dtype
 (fp32), and, where the model is bf16 or fp16, ``master``: its fp32 master. Loading the model dict alone
-restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load_module_only`` does.
+restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load_module_only`` does. At stage 0
+(fp32) the AdamW state is torch's own, keyed by the param: read and written as it is.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def zero_managed(model: nn.Module) -> list[str]:
 
 
 class DeepSpeed(Engine):
-    """DeepSpeed ZeRO-1/2: averages, clips and steps every non-dedicated param; decides the accumulation boundary
+    """DeepSpeed ZeRO-0/1/2: averages, clips and steps every non-dedicated param; decides the accumulation boundary
     (``gradient_accumulation_steps``), which dmuon's hooks follow; clips with ``gradient_clipping`` by a norm that
     includes the dedicated gradients. Not available: ``dmuon.no_sync`` (DeepSpeed's boundary decides) and
     ``dmuon.clip_grad_norm_`` (DeepSpeed clips, and its gradients live in its flat slices)."""
@@ -83,8 +86,13 @@ class DeepSpeed(Engine):
     # ------------------------------------------------------------------ #
     @property
     def zero(self) -> Any:
-        """The ``DeepSpeedZeroOptimizer`` of the bound engine."""
+        """The ``DeepSpeedZeroOptimizer`` of the bound engine (at stage 0: the torch ``AdamW`` it steps)."""
         return self.wrapper.optimizer  # type: ignore[union-attr]
+
+    @property
+    def stage0(self) -> bool:
+        """ZeRO stage 0: no ZeRO optimizer; the engine steps a torch ``AdamW`` over the model's own params."""
+        return int(self.wrapper.zero_optimization_stage()) == 0  # type: ignore[union-attr]
 
     def accumulation_boundary(self) -> bool | None:
         engine: Any = self.wrapper
@@ -112,8 +120,10 @@ class DeepSpeed(Engine):
         )
 
     def after_model_load(self) -> None:
-        """ZeRO keeps fp32 copies of its params (the slice it steps): restart them from the loaded values."""
-        self.zero.refresh_fp32_params()
+        """ZeRO keeps fp32 copies of its params (the slice it steps): restart them from the loaded values (stage 0
+        in fp32 keeps none)."""
+        if not self.stage0:
+            self.zero.refresh_fp32_params()
 
     # ------------------------------------------------------------------ #
     # State dicts ([Note: DeepSpeed state dicts])                          #
@@ -129,6 +139,8 @@ class DeepSpeed(Engine):
     def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        if self.stage0:  # the AdamW's own entry of the param itself
+            return self.zero.state.get(p)
         flat = self._flat_state(group)
         if not flat:
             return None
@@ -140,13 +152,21 @@ class DeepSpeed(Engine):
         return st
 
     def state_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.zero.single_partition_of_fp32_groups[0].dtype
+        if self.stage0:
+            return p.dtype
+        zero = self.zero  # ZeRO-1/2's slices, or BF16_Optimizer's (stage 1, bf16, fp32 accumulation)
+        slices = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+        return slices[0].dtype
 
     def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
                              ) -> dict[torch.Tensor, dict[str, Any]]:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         if not states:
+            return {}
+        if self.stage0:  # the torch AdamW DeepSpeed steps holds the state of the model's params as they are
+            for p, st in states.items():
+                self.zero.state[p] = dict(st)
             return {}
         facade = self.zero.optimizer
         for group in facade.param_groups:  # before the first step: the zero state it would create

@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO stage 1 and 2 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the dedicated
-params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the script has
-already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2 patch::
+"""DeepSpeed ZeRO stage 0, 1 and 2 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
+dedicated params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the
+script has already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2
+patch::
 
     import deepspeed, dmuon
     dmuon.dedicate_params(model, mesh, predicate=...)
@@ -19,22 +20,29 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
   ``dmuon.Muon`` drives both); the Muon groups stay dmuon's. Since DeepSpeed has no way to leave a param out of
   its groups and still train it, everything dmuon needs of a step joins DeepSpeed's own optimizer object
   (``_drive.py``): the fp16 overflow check and the global norm count the dedicated gradients, and after ZeRO's
-  step the owners unscale, clip (ZeRO's own factor) and update their matrices, unless the step overflowed.
+  step the owners unscale, clip (ZeRO's own factor) and update their matrices, unless the step overflowed. At
+  stage 0 there is no ZeRO optimizer: DeepSpeed steps the facade itself and all-reduces, clips and clears
+  gradients in the engine, whose methods for that change on the engine object instead ([Note: DeepSpeed
+  stage 0] in ``_stage0.py``).
 * Accumulation: dmuon's hooks ask the engine whether a backward closes the window
   (``is_gradient_accumulation_boundary``), so dedicated gradients are averaged once per step, at the boundary.
 * Checkpoints: ``engine.save_checkpoint`` writes the model file from :func:`dmuon.get_model_state_dict` (every
-  rank gathers, rank 0 writes) and every rank's ZeRO file carries its owned Muon state with its checksums;
+  rank gathers, rank 0 writes) and every rank's ZeRO file carries its owned Muon state with its checksums (at
+  stage 0, which writes no ZeRO files, the one optimizer dict rank 0 writes carries every rank's, gathered);
   ``load_checkpoint`` is all or nothing ([Note: atomic DeepSpeed loads] in ``_load.py``): every rank reads and
   checks what it needs, all agree, and only then does DeepSpeed's load run (put back on every rank should it
   still fail on one). A restart on the same ranks is bit-identical; on another world size, resume through
   dmuon's full state dicts (``docs/guides/deepspeed.md``).
 * ``engine.step()`` runs ``dmuon.Muon.apply_update``, the update ``Muon.step`` runs (QK-clip included), with
   ZeRO's own step inside it.
-* Refused before anything changes, on every rank: ZeRO stage 0 or 3, an optimizer other than the model's
-  ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another dtype than the
-  config's fp16 / bf16, bf16 with fp32 gradient accumulation at stage 1 (DeepSpeed's ``BF16_Optimizer``),
-  optimizer offload, ``elastic_checkpoint``, a config ``scheduler`` (it would set one lr for Muon and AdamW alike), model, tensor or
-  sequence parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
+* bf16 with fp32 gradient accumulation at stage 1 runs DeepSpeed's ``BF16_Optimizer`` instead of ZeRO's: its
+  ``step``, ``zero_grad`` and ``get_grads_for_norm`` join the same way (the norm it sums gets the dedicated
+  gradients' as one more term). A config ``"scheduler"`` sets the lr of ZeRO's groups; dmuon's follow at their
+  ratio as built ([Note: DeepSpeed config schedulers] in ``_drive.py``).
+* Refused before anything changes, on every rank: ZeRO stage 3, bf16 / fp16 at stage 0, an optimizer other than
+  the model's ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another
+  dtype than the config's fp16 / bf16, optimizer offload, ``elastic_checkpoint``, model, tensor or sequence
+  parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ def install() -> None:
     """
     if is_installed():
         return
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     params = tuple(inspect.signature(DeepSpeedEngine.__init__).parameters)
@@ -123,6 +132,7 @@ def install() -> None:
     missing += [f"DeepSpeedEngine.{n}" for n in Drive.ENGINE_METHODS if not callable(getattr(DeepSpeedEngine, n, None))]
     missing += [f"DeepSpeedZeroOptimizer.{n}" for n in Drive.ZERO_METHODS
                 if not callable(getattr(DeepSpeedZeroOptimizer, n, None))]
+    missing += [f"BF16_Optimizer.{n}" for n in Drive.BF16_METHODS if not callable(getattr(BF16_Optimizer, n, None))]
     if missing:
         raise RuntimeError(
             f"dmuon.integrations.deepspeed supports deepspeed 0.19 (checked 0.19.8); deepspeed {deepspeed.__version__} "

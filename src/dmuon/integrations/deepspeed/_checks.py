@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
+from ._part import engine_groups
 
 __all__ = ["problems", "agree", "agreed"]
 
@@ -56,23 +57,23 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     """Everything about this ``deepspeed.initialize`` call dmuon cannot train, each with its fix (this rank)."""
     out = []
     stage = int(config.zero_optimization_stage)
-    if stage not in (1, 2):
-        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 1 and 2 (stage 3 "
-                   "partitions every param itself, stage 0 all-reduces every gradient, the dedicated ones too): set "
-                   "\"zero_optimization\": {\"stage\": 1} or {\"stage\": 2}")
+    if stage not in (0, 1, 2):
+        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 0, 1 and 2 (stage 3 "
+                   "partitions every param itself, the dedicated ones too): set \"zero_optimization\": {\"stage\": "
+                   "2} (or 0 or 1)")
+    dtype = _dtype(config)
+    if stage == 0 and dtype is not None:
+        out.append(f"ZeRO stage 0 in {dtype} runs DeepSpeed's FP16_UnfusedOptimizer, whose norm and overflow check "
+                   "dmuon does not join: use ZeRO stage 1 or 2 for bf16 / fp16, or train stage 0 in fp32")
     found = _optimizer_problem(state, optimizer, model_parameters)
     if found is not None:
         out.append(found)
-    dtype = _dtype(config)
     wrong = [dp for dp in state.dedicated() if dtype is not None and dp.compute_dtype != dtype]
     if wrong:
         out.append(f"the config trains in {dtype} but dedicated param {wrong[0].fqn!r} computes in "
                    f"{wrong[0].compute_dtype}: cast the model before dmuon.dedicate_params (model.to({dtype})), and "
                    "give dmuon.Muon master_dtype=torch.float32 for fp32 Muon state")
     zero = config.zero_config
-    if dtype == torch.bfloat16 and stage == 1 and config.grad_accum_dtype not in (None, "bf16", "bfloat16"):
-        out.append("bf16 with data_types.grad_accum_dtype fp32 at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
-                   "which dmuon does not drive: use ZeRO stage 2, or leave grad_accum_dtype unset")
     if getattr(zero, "elastic_checkpoint", False):
         out.append("zero_optimization.elastic_checkpoint saves ZeRO's AdamW state without the optimizer's own state "
                    "dict, so the owners' Muon state would not be saved; remove it (resume on another world size "
@@ -82,9 +83,12 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     if offload is not None and device not in ("none", "offloaddeviceenum.none"):
         out.append("zero_optimization.offload_optimizer is not supported with dmuon (its step runs on the CPU "
                    "slice only); remove it")
-    if config.scheduler_name is not None:
-        out.append(f"the config's scheduler {config.scheduler_name!r} would set one lr for Muon and AdamW alike; "
-                   "build a torch scheduler on dmuon.Muon and pass deepspeed.initialize(..., lr_scheduler=scheduler)")
+    engine_lrs = [g["lr"] for g in engine_groups(optimizer)] if isinstance(optimizer, Muon) else [1.0]
+    if config.scheduler_name is not None and engine_lrs and not engine_lrs[0]:
+        out.append(f"the config's scheduler {config.scheduler_name!r} sets the lr of the params ZeRO trains, and "
+                   "dmuon's groups follow it at their lr's ratio to the first of those groups, whose lr (adamw_lr) "
+                   "is 0: give dmuon.Muon a nonzero adamw_lr, or build a torch scheduler on dmuon.Muon and pass "
+                   "deepspeed.initialize(..., lr_scheduler=scheduler)")
     if state.tp_mesh is not None or state.sharded_muon or state.ctx.replicate_size > 1:
         out.append("dmuon's tensor-parallel, engine-sharded (muon_sharded) and HSDP params need FSDP2; under "
                    "DeepSpeed dedicate with a 1-D mesh over every rank")

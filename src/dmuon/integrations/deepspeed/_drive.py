@@ -18,6 +18,14 @@ never meet them; the four methods of ZeRO's optimizer object below bring them in
 * ``has_overflow``: ZeRO's verdict or an inf / NaN in a dedicated gradient (fp16 loss scaling skips the whole
   step, dmuon's update too);
 * ``zero_grad``: ZeRO's, and the dedicated gradients (after a step, and when an overflow drops the step).
+
+[Note: DeepSpeed config schedulers]
+A config ``"scheduler"`` (``WarmupLR``, ``WarmupDecayLR``, ``OneCycle``, a torch scheduler by name) is built by
+DeepSpeed on its own optimizer, so it sets the lr of ZeRO's groups (the shared AdamW group dicts), often to the
+config's absolute numbers (``warmup_max_lr``: an AdamW lr). Muon's lr is of another scale, so dmuon's own groups
+follow at the ratio they were built with: before each update, each takes the first ZeRO group's lr times its
+lr over that group's lr as built (``dmuon.Muon(lr=0.02, adamw_lr=1e-3)`` under a warm-up to 1e-3: Muon warms up
+to 0.02). A scheduler passed as ``lr_scheduler=`` (a torch scheduler on ``dmuon.Muon``) drives every group itself.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
-from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_problems
+from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_of, part_problems
+from ._stage0 import Stage0
 
 __all__ = ["Drive"]
 
@@ -45,10 +54,14 @@ class Drive:
 
     #: what the glue replaces on each object, per instance (``install`` checks they exist)
     ENGINE_METHODS: ClassVar[tuple[str, ...]] = ("module_state_dict", "load_module_state_dict", "load_checkpoint",
-                                                  "is_gradient_accumulation_boundary", "load_universal_checkpoint",
-                                                  "_get_all_ckpt_names", "_get_zero_ckpt_name")
+                                                  "save_checkpoint", "is_gradient_accumulation_boundary",
+                                                  "load_universal_checkpoint", "_get_all_ckpt_names",
+                                                  "_get_zero_ckpt_name", "zero_optimization_stage",
+                                                  *Stage0.ENGINE_METHODS)
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
                                                 "unscale_and_clip_grads", "refresh_fp32_params",
+                                                "_lazy_init_hp_params_optimizer_state")
+    BF16_METHODS: ClassVar[tuple[str, ...]] = ("step", "get_grads_for_norm", "zero_grad", "refresh_fp32_params",
                                                 "_lazy_init_hp_params_optimizer_state")
 
     def __init__(self, state: DMuonState, muon: Muon) -> None:
@@ -59,6 +72,11 @@ class Drive:
         self.facade = torch.optim.AdamW(shared, foreach=adamw.defaults.get("foreach"),
                                         fused=adamw.defaults.get("fused"))
         self.shared = list(self.facade.param_groups)
+        #: each of dmuon's own groups with its lr over the first group ZeRO steps, as built: the ratio a config
+        #: ``"scheduler"`` (which sets the lr of ZeRO's groups only) keeps ([Note: DeepSpeed config schedulers])
+        ref = self.shared[0]["lr"]
+        self.ratios = [(g, g["lr"] / ref) for g in own_groups(muon)] if ref else []
+        self.follows = False
         self.facade.register_state_dict_post_hook(self._save_owned)
         self.facade.register_load_state_dict_pre_hook(self._take_owned)
         self.facade.register_load_state_dict_post_hook(self._relink)
@@ -67,7 +85,13 @@ class Drive:
         self._checked: ModelLoad | None = None
         #: ZeRO's norm of this step, combined with the dedicated gradients' (``scaled_global_norm``)
         self.norm: torch.Tensor | None = None
+        #: ZeRO stage 0, while ``engine.save_checkpoint`` runs: every rank's owned part, gathered (rank 0 writes
+        #: the one file that holds the optimizer, [Note: DeepSpeed stage 0])
+        self._parts: list[Any] | None = None
         self.engine: Any = None
+        self.stage = -1
+        #: ZeRO stage 1 in bf16 with fp32 gradient accumulation: DeepSpeed's ``BF16_Optimizer``, not ZeRO's
+        self.bf16_optimizer = False
 
     # ------------------------------------------------------------------ #
     # Attaching                                                            #
@@ -75,13 +99,25 @@ class Drive:
     def attach(self, engine: Any) -> None:
         """``DeepSpeedEngine.__init__`` is done: bind the engine, route dmuon's steps through it."""
         self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
+        self.follows = engine.lr_scheduler is not None and engine.client_lr_scheduler is None
+        self.follow_schedule()
         zero = engine.optimizer
-        for name in ("step", "scaled_global_norm", "has_overflow", "zero_grad"):
-            setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
+        if self.stage == 0:  # no ZeRO optimizer: the engine's own methods ([Note: DeepSpeed stage 0])
+            Stage0(self.state, self.muon, self.facade, engine, self.follow_schedule).attach()
+        else:  # ZeRO-1/2's optimizer, or at stage 1 in bf16 with fp32 accumulation DeepSpeed's BF16_Optimizer
+            self.bf16_optimizer = _is_bf16_optimizer(zero)
+            joins = ("step", "get_grads_for_norm", "zero_grad") if self.bf16_optimizer else \
+                ("step", "scaled_global_norm", "has_overflow", "zero_grad")
+            for name in joins:
+                setattr(zero, name, _bound(getattr(self, f"_zero_{name}"), getattr(zero, name)))
+        engine.save_checkpoint = functools.wraps(engine.save_checkpoint)(
+            functools.partial(self._save_checkpoint, engine.save_checkpoint))
         engine.module_state_dict = self._module_state_dict
         engine.load_module_state_dict = self._load_module_state_dict
         engine.load_checkpoint = functools.wraps(engine.load_checkpoint)(
-            functools.partial(load_checkpoint, engine, self.state, self.muon, engine.load_checkpoint, self._check))
+            functools.partial(load_checkpoint, engine, self.state, self.muon, self.facade, engine.load_checkpoint,
+                              self._check))
         muon = self.muon
         muon._deepspeed_drive = self
         muon._adamw.param_groups = [g for g in muon.param_groups if g["kind"] == "adamw_owned"]  # owners' AdamW
@@ -90,8 +126,18 @@ class Drive:
     # ------------------------------------------------------------------ #
     # ZeRO's optimizer                                                     #
     # ------------------------------------------------------------------ #
+    def follow_schedule(self) -> None:
+        """Under a config ``"scheduler"``: dmuon's own groups take the lr of the first group ZeRO steps times their
+        ratio as built ([Note: DeepSpeed config schedulers]). Before each update, so both halves use the lr the
+        scheduler set last."""
+        if self.follows:
+            ref = self.shared[0]["lr"]
+            for g, ratio in self.ratios:
+                g["lr"] = ratio * ref
+
     @torch.no_grad()
     def _zero_step(self, original: Any, closure: Any = None) -> None:
+        self.follow_schedule()
         self.muon.apply_update(engine_step=lambda: self._engine_step(original))  # the update Muon.step runs
 
     def _engine_step(self, zero_step: Any) -> bool:
@@ -102,6 +148,8 @@ class Drive:
         zero_step()
         if zero.overflow:  # ZeRO skipped the step and dropped the gradients (``zero_grad``: ours too)
             return False
+        if self.bf16_optimizer:  # its step clipped the owners' gradients too (``get_grads_for_norm``)
+            return True
         grads = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
         if grads:
             zero.unscale_and_clip_grads(grads, self.norm)
@@ -122,6 +170,22 @@ class Drive:
         total = torch.where((theirs_t < 0) | ~torch.isfinite(total), torch.full_like(total, -1.0), total)
         self.norm = total.to(theirs.device if isinstance(theirs, torch.Tensor) else total.device)
         return self.norm
+
+    def _zero_get_grads_for_norm(self, original: Any, for_clipping: bool = False) -> Any:
+        """``BF16_Optimizer``: the gradients its step takes the norm of (each rank has all of its own, averaged,
+        and sums them locally), plus one scalar that holds the dedicated gradients' norm, summed over their
+        owners; for the clip, the owners' gradients themselves. So its norm, clip factor and inf / NaN verdict
+        are the whole model's, as at stage 1 and 2."""
+        theirs = original(for_clipping)
+        owned = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
+        if for_clipping:
+            return theirs + owned
+        ctx = self.state.ctx
+        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        for g in owned:
+            acc = acc + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
+        plain, experts = theirs
+        return [*plain, C.all_reduce_sum(ctx, acc).sqrt().reshape(1)], experts
 
     def _zero_has_overflow(self, original: Any, partition_gradients: bool = True) -> bool:
         theirs = original(partition_gradients)
@@ -162,12 +226,22 @@ class Drive:
         else:
             set_model_state_dict(self.state.model, checkpoint["module"])
 
+    def _save_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """``engine.save_checkpoint`` (every rank). At stage 0 only rank 0 writes the optimizer's state (in the
+        model file), so every rank's owned part is gathered first and the facade's state dict carries them all."""
+        if self.stage == 0:
+            self._parts = C.all_gather_object(self.state.ctx, _on_cpu(owned_part(self.state, self.muon)))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._parts = None
+
     def _save_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        sd[STATE_KEY] = owned_part(self.state, self.muon)
+        sd[STATE_KEY] = {"parts": self._parts} if self._parts is not None else owned_part(self.state, self.muon)
         return sd
 
     def _take_owned(self, facade: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        self._loaded = sd.pop(STATE_KEY, None)
+        self._loaded = part_of(sd.pop(STATE_KEY, None), self.state.ctx.rank)
         return sd
 
     def _relink(self, facade: Any) -> None:
@@ -191,6 +265,23 @@ class Drive:
                 self.muon.state[dp.param] = {k: v.to(dp.param.device) if isinstance(v, torch.Tensor) and k != "step"
                                              else v for k, v in entry.items()}
             dp.forget_master_version()
+
+
+def _is_bf16_optimizer(zero: Any) -> bool:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(zero, BF16_Optimizer)
+
+
+def _on_cpu(x: Any) -> Any:
+    """``x`` with every tensor copied to the CPU (what a gather of objects sends)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
 
 
 def _bound(method: Any, original: Any) -> Any:

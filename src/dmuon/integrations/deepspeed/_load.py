@@ -8,8 +8,9 @@ any check. A missing file on one rank, a checkpoint of another world size or a f
 late, on one rank, or never. dmuon's load instead runs in five steps:
 
 1. *read and check*, on each rank, everything its load will read: the model file and this rank's ZeRO file (the
-   one DeepSpeed reads), the entries DeepSpeed looks up, the saved data-parallel world size, and dmuon's part
-   (owner plan, writing rank, groups, checksums: ``_part.py``); no collective, nothing written;
+   one DeepSpeed reads; at stage 0 the model file holds every rank's part), the entries DeepSpeed looks up, the
+   saved data-parallel world size, and dmuon's part (owner plan, writing rank, groups, checksums: ``_part.py``);
+   no collective, nothing written;
 2. *agree*: one gather, and every rank raises the same ``ValueError`` if any rank found a problem; then dmuon's
    model check (``check_model_sd``: keys, shapes, dtypes, checksums), which raises on every rank together too;
 3. *stage*: a CPU copy of everything DeepSpeed's load writes (params and masters, Muon's state and groups, ZeRO's
@@ -35,7 +36,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._checks import agreed
-from ._part import STATE_KEY, part_problems
+from ._part import STATE_KEY, part_of, part_problems
 
 __all__ = ["Files", "Staged", "load_checkpoint", "read_and_check"]
 
@@ -122,6 +123,11 @@ def read_and_check(engine: Any, state: DMuonState, muon: Muon, load_dir: str, ta
     problems += _model_problems(sd, engine, names[0], counters=counters, optimizer=optimizer, scheduler=scheduler)
     if not optimizer or problems:
         return files, sd, problems
+    if int(engine.zero_optimization_stage()) == 0:  # the model file holds the optimizer, every rank's part in it
+        saved = sd.get("optimizer")
+        part = part_of(saved.get(STATE_KEY) if isinstance(saved, Mapping) else None, state.ctx.rank)
+        problems += part_problems(part, state, muon, names[0])
+        return files, sd, problems
     path = _zero_file(engine, load_dir, tag)
     zero = files.load(path, problems)
     if zero is not None:
@@ -147,9 +153,9 @@ class Staged:
                     "loaded_checkpoint_mp_world_size")
     ZERO_ATTRS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "_hp_optimizer_states_linked")
 
-    def __init__(self, engine: Any, state: DMuonState, muon: Muon) -> None:
-        self.engine, self.state, self.muon = engine, state, muon
-        zero = engine.optimizer
+    def __init__(self, engine: Any, state: DMuonState, muon: Muon, facade: Any) -> None:
+        self.engine, self.state, self.muon, self.facade = engine, state, muon, facade
+        zero = engine.optimizer  # the facade itself at stage 0
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its copy)
         self.maps: list[tuple[dict, dict]] = []  # (live dict, its entries)
         not_mine = {id(dp.bound()) for dp in state.dedicated() if dp.owner != state.ctx.rank}  # 0 bytes here
@@ -160,18 +166,20 @@ class Staged:
             for dp in state.owned():
                 if dp.master is not None:
                     self._tensor(dp.master)
-            for t in zero.single_partition_of_fp32_groups:
+            slices = getattr(zero, "single_partition_of_fp32_groups", getattr(zero, "fp32_groups_flat_partition", ()))
+            for t in slices:  # ZeRO-1/2's, or BF16_Optimizer's
                 self._tensor(t)
             self._map(muon.state, deep=True)
             for g in muon.param_groups:  # dmuon's groups and the facade's (shared) group dicts
                 self._map(g)
-            self._map(zero.optimizer.state, deep=True)
-        self.facade_state, self.facade_groups = zero.optimizer.state, zero.optimizer.param_groups
+            self._map(facade.state, deep=True)
+        self.facade_state, self.facade_groups = facade.state, facade.param_groups
         self.attrs = [(o, n, getattr(o, n)) for o, names in ((engine, self.ENGINE_ATTRS), (zero, self.ZERO_ATTRS))
                       for n in names if hasattr(o, n)]
         self.missing = [(o, n) for o, names in ((engine, self.ENGINE_ATTRS), (zero, self.ZERO_ATTRS))
                         for n in names if not hasattr(o, n)]
-        self.links = [(p, getattr(p, "_hp_mapping", None)) for group in zero.bit16_groups for p in group]
+        self.links = [(p, getattr(p, "_hp_mapping", None))
+                      for group in getattr(zero, "bit16_groups", getattr(zero, "bf16_groups", ())) for p in group]
         self.seen = [(dp, dp.seen_version) for dp in state.dedicated()]
         sched = engine.lr_scheduler
         self.scheduler = None if sched is None else _deep_copy(sched.state_dict())
@@ -189,8 +197,7 @@ class Staged:
 
     @torch.no_grad()
     def restore(self) -> None:
-        zero = self.engine.optimizer
-        zero.optimizer.state, zero.optimizer.param_groups = self.facade_state, self.facade_groups
+        self.facade.state, self.facade.param_groups = self.facade_state, self.facade_groups
         for live, entries in self.maps:
             live.clear()
             live.update(entries)
@@ -233,7 +240,7 @@ def _tag(load_dir: str, tag: Any) -> Any:
         return f.read().strip()
 
 
-def load_checkpoint(engine: Any, state: DMuonState, muon: Muon, original: Callable[..., Any],
+def load_checkpoint(engine: Any, state: DMuonState, muon: Muon, facade: Any, original: Callable[..., Any],
                     checked: Callable[[ModelLoad | None], None], load_dir: str, tag: Any = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -255,7 +262,7 @@ def load_checkpoint(engine: Any, state: DMuonState, muon: Muon, original: Callab
         raise ValueError(f"dmuon: engine.load_checkpoint({load_dir!r}, tag={resolved!r}) refused: {listed}. Nothing "
                          "was changed.")
     model = check_model_sd(state.model, sd["module"], what="engine.load_checkpoint")  # type: ignore[index]
-    staged = Staged(engine, state, muon)
+    staged = Staged(engine, state, muon, facade)
     undo = files.serve(engine)
     checked(model)
     error: BaseException | None = None

@@ -4,7 +4,9 @@ before anything changes.
 Each rank's ZeRO file holds the state of the matrices that rank owns (the facade's optimizer state dict carries it
 under :data:`STATE_KEY`): the owner plan of the whole job, the rank that wrote it, the hyperparameters of dmuon's
 own groups, each owned matrix's Muon state by FQN, and each of those tensors' checksum (``C`` of [Note: checkpoint
-checksums], over the whole tensor, which its owner holds), since ``torch.load`` checks nothing it reads.
+checksums], over the whole tensor, which its owner holds), since ``torch.load`` checks nothing it reads. ZeRO
+stage 0 writes no ZeRO files: its one optimizer dict (in the model file rank 0 writes) holds every rank's part,
+gathered at ``engine.save_checkpoint``, and each rank loads its own (:func:`part_of`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from ...checkpoint.checksum import checksum_part
 from ...optim import Muon
 from ...runtime.hooks import DMuonState
 
-__all__ = ["ENGINE_KINDS", "STATE_KEY", "engine_groups", "own_groups", "owned_part", "part_problems", "plan_of"]
+__all__ = ["ENGINE_KINDS", "STATE_KEY", "engine_groups", "own_groups", "owned_part", "part_of", "part_problems",
+           "plan_of"]
 
 #: dmuon.Muon's group kinds whose params DeepSpeed trains (the rest are dedicated: dmuon's)
 ENGINE_KINDS = ("adamw", "adamw_replicated")
@@ -55,6 +58,15 @@ def owned_part(state: DMuonState, muon: Muon) -> dict[str, Any]:
         sums = {fqn: {k: _checksum(v) for k, v in entry.items() if isinstance(v, torch.Tensor)}
                 for fqn, entry in st.items()}
     return {"plan": plan_of(state), "rank": state.ctx.rank, "state": st, "groups": groups, "checksums": sums}
+
+
+def part_of(saved: Any, rank: int) -> Any:
+    """This rank's part of what a file holds under :data:`STATE_KEY`: the part itself (a ZeRO file, one per rank),
+    or, at ZeRO stage 0, this rank's entry of every rank's parts (the one model file holds them all)."""
+    if isinstance(saved, Mapping) and isinstance(saved.get("parts"), list):
+        parts = saved["parts"]
+        return parts[rank] if rank < len(parts) else None
+    return saved
 
 
 def part_problems(part: Any, state: DMuonState, muon: Muon, path: str) -> list[str]:
