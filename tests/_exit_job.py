@@ -11,13 +11,14 @@
 
 Three things make the abort that [Note: groups at exit] (``dmuon/runtime/comm.py``) explains likely rather
 than occasional (without them: 2 of 44 runs ending in ``sys.exit``, 2 of 34 in ``destroy_process_group()``).
-Each rank runs on one core, and the threads that ``dedicate_params`` starts (dmuon's gloo groups' workers) get the lowest priority, so that
-after a collective the main thread runs on while the worker that still has to drop the collective's
-tensors (which takes the GIL) waits, as on a busy machine. The switch interval is raised before the ending,
-so that the main thread keeps the GIL until it blocks: the worker waits into the interpreter's
-finalization. And an object freed during finalization sleeps, releasing the GIL there, as any finalizer that
-flushes a file or joins a thread does (the natural aborts came from such a release: the main thread was in
-finalization's garbage collection). Linux only (``/proc``, affinity and priorities), as the suite is.
+Each rank runs on one core, and the threads that ``dedicate_params`` starts (dmuon's gloo groups' workers) get
+the lowest priority, so that after a collective the main thread runs on while the worker that still has to
+drop the collective's tensors (which takes the GIL) waits, as on a busy machine. The switch interval is raised
+before the ending, so that the main thread keeps the GIL until it blocks: the worker waits into the
+interpreter's finalization. And an object freed during finalization sleeps, releasing the GIL there, as any
+finalizer that flushes a file or joins a thread does (the natural aborts came from such a release: the main
+thread was in finalization's garbage collection). Linux only (``/proc``, affinity and priorities), as the
+suite is.
 """
 
 from __future__ import annotations
