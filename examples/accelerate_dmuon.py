@@ -148,7 +148,9 @@ def main(cli: argparse.Namespace) -> int:
     ok_everywhere = accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes
     if accelerator.is_main_process and cli.output_dir is None:  # every rank is past the reduce: nobody reads it
         shutil.rmtree(output_dir, ignore_errors=True)
-    # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the verdict's reduce above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizer
     gc.collect()
     accelerator.end_training()

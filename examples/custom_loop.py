@@ -17,7 +17,6 @@ is within ``PARITY_RTOL`` of that one-process run; otherwise ``FAILED`` and a no
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -170,11 +169,6 @@ def main(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"custom_loop: {'OK' if ok else 'FAILED'} {fell_text}; per-step losses against one process with "
               f"torch.optim.Muon + AdamW: {same_text}", flush=True)
-    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
-    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
-    # active exception"), with or without dmuon.
-    del model, optimizer
-    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -123,6 +123,9 @@ def main(args: argparse.Namespace) -> int:
 
         shutil.rmtree(ckpt[0], ignore_errors=True)
     dist.barrier()
+    # Free the engines first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the barrier above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del engine, fresh, model
     gc.collect()
     dist.destroy_process_group()

@@ -104,9 +104,9 @@ def main(args: argparse.Namespace) -> int:
     ok, text = loss_fell(losses, by=0.2)  # reaches about -40% on 2 CPU ranks
     if dist.get_rank() == 0:
         print(f"hf_dmuon ({args.arch}{', bf16' if args.bf16 else ''}): {'OK' if ok else 'FAILED'} {text}", flush=True)
-    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
-    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
-    # active exception"), with or without dmuon.
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the logging all_reduce above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizer, outputs
     gc.collect()
     dist.destroy_process_group()

@@ -165,7 +165,9 @@ def main(cli: argparse.Namespace) -> int:
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # gloo supports MIN; one verdict for every rank's exit code
     if rank == 0 and cli.output_dir is None:  # every rank is past its last file access (the all_reduce)
         shutil.rmtree(output_dir, ignore_errors=True)
-    # FSDP2 modules still alive at teardown sometimes abort the process on gloo (torch 2.13)
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the verdict's all_reduce above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del trainer, model, optimizer
     gc.collect()
     dist.destroy_process_group()

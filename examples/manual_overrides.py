@@ -104,9 +104,9 @@ def main(args: argparse.Namespace) -> int:
     if rank == 0:
         os.remove(path)
         print(f"manual_overrides: {'OK' if same else 'FAILED'} restored loss {after:.6f} (original {before:.6f})")
-    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
-    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
-    # active exception"), with or without dmuon.
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the barrier above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizer, fresh_model, fresh_optimizer
     gc.collect()
     dist.destroy_process_group()

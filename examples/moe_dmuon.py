@@ -177,9 +177,9 @@ def main(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"moe_dmuon ({args.experts}): {'OK' if verdict.item() else 'FAILED'} {text}; reloaded from "
               f"save_pretrained: loss {reloaded:.6f} vs {trained:.6f} (bound {RELOAD_RTOL:.0e} relative)", flush=True)
-    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
-    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
-    # active exception"), with or without dmuon.
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the verdict's broadcast above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizer, outputs
     gc.collect()
     dist.destroy_process_group()

@@ -153,9 +153,9 @@ def main(args: argparse.Namespace) -> int:
         groups = sorted(g.fqn for g in model._dmuon_state.groups)
         print("hook boundaries:", ", ".join(groups))
         print(f"multimodal_boundaries: {'OK' if ok else 'FAILED'} {text}")
-    # Free the FSDP2 modules before tearing down the process group: on torch 2.13 with gloo, an FSDP2
-    # model still alive at destroy/exit sometimes aborts the process ("terminate called without an
-    # active exception"), with or without dmuon.
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the logging all_reduce above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizer, loss
     gc.collect()
     dist.destroy_process_group()

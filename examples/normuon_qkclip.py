@@ -18,7 +18,6 @@ one-process run; otherwise ``FAILED`` and a non-zero exit code. CUDA (NCCL) when
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -157,8 +156,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"normuon_qkclip: {'OK' if ok else 'FAILED'} {fell_text}; QK-clip clipped {sum(clipped)} heads over "
               f"{STEPS} steps; per-step losses against one process (NorMuon reference + hand clip): {same_text}",
               flush=True)
-    del model, optimizer  # FSDP2 modules freed before the process group goes (see examples/custom_loop.py)
-    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -106,7 +106,10 @@ def main(args: argparse.Namespace) -> int:
     ok, text = loss_fell(losses, by=0.2)  # reaches about -35% on 2 CPU ranks
     if rank == 0:
         print(f"param_groups: {'OK' if ok else 'FAILED'} {text}", flush=True)
-    del model, optimizer, scheduler  # free FSDP2 before the process group (see custom_loop.py)
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the logging all_reduce above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
+    del model, optimizer, scheduler
     gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -230,8 +230,9 @@ def main(args: argparse.Namespace) -> int:
         if not args.out:
             shutil.rmtree(base_folder)
         print(f"torchtitan_dmuon: {'OK' if ok else 'FAILED'} {text}", flush=True)
-    # Free the FSDP2 modules before tearing down the process group (torch 2.13 + gloo can abort at exit
-    # while an FSDP2 model is alive, with or without dmuon).
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the barrier above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
     del model, optimizers, lr_schedulers, checkpointer
     gc.collect()
     dist.destroy_process_group()

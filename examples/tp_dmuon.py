@@ -112,7 +112,10 @@ def main(args: argparse.Namespace) -> int:
     if dist.get_rank() == 0:
         verdict = "OK" if ok else "FAILED" + ("" if whole else " (the state dict's TP matrices are not whole)")
         print(f"tp_dmuon: {verdict} dp={world // TP} x tp={TP}, {text}", flush=True)
-    del model, optimizer  # free FSDP2 before the process group (see custom_loop.py)
+    # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
+    # gloo worker still finishing the state dict's gathers above can meet the interpreter's exit (SIGABRT on
+    # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
+    del model, optimizer
     gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1

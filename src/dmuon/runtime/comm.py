@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from .errors import raise_internal
+from .lifetime import track as _track
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
@@ -219,7 +220,9 @@ class CommContext:
             if made is not None:
                 mine, groups = grid, made
         r_idx = next(i for i, rr in enumerate(mine) if me in rr)
-        return cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter)
+        ctx = cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter)
+        _track(ctx)
+        return ctx
 
 
 def _new_grid_groups(grid: tuple[tuple[int, ...], ...], me: int, backend: str, timeout: Any
