@@ -316,7 +316,9 @@ def _pipeline_cli(args: argparse.Namespace, sc: Any, designs: tuple[str, ...]) -
     from .pipeline import simulate_pipeline
     from .simulate import format_simulation
 
-    if args.pp < 2:
+    if args.pp < 1:
+        raise ValueError(f"dmuon.plan: --pp must be a positive int, got {args.pp}")
+    if args.pp == 1:
         raise ValueError(f"dmuon.plan: --microbatches needs --pp of 2 or more, got --pp {args.pp}")
     if args.sweep or args.plot:
         raise ValueError("dmuon.plan: --sweep and --plot are not modelled with --pp; drop them or --pp")
