@@ -21,8 +21,9 @@ DESIGNS = ("fsdp_adamw", "dmuon", "distmuon", "dion")
 
 @pytest.mark.parametrize("world,reshard", [(8, "z3"), (64, "z3"), (16, "z2")])
 def test_pp1_is_the_prediction_without_a_pipeline(world, reshard):
-    """One stage, one microbatch: the same step to the last bit, for every design (Z2: FSDP2's layers are
-    gathered again in backward in today's baseline, so it is compared under Z3 only for fsdp_adamw's parts)."""
+    """One stage, one microbatch: the same step to the last bit, for every design under Z3. Under Z2 the pipeline
+    model keeps FSDP2's per-layer units gathered after forward (the schedules' setting) where the pipeline-free
+    baseline gathers them again, so Z2 compares dmuon only (its FSDP2 part is one root unit)."""
     sc = Scenario(EIGHT_B, world, reshard=reshard)
     for design in DESIGNS if reshard == "z3" else ("dmuon",):
         got, want = simulate_pipeline_design(sc, design, pp=1, microbatches=1), simulate_design(sc, design)

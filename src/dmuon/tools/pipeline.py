@@ -40,7 +40,7 @@ from .schedules import design_parts
 from .step_model import ModelSizes, Scenario, compute_ms, exposed_ms, sizes_of
 
 __all__ = ["stage_layers", "stage_sizes", "stage_gathers", "check_pipeline", "simulate_pipeline_design",
-           "bubble_fraction"]
+           "simulate_pipeline", "bubble_fraction"]
 
 #: forward / backward gathers of FSDP2's per-layer units and dmuon's broadcasts, scaled by the microbatch count
 _FORWARD_GATHERS = ("fsdp2 all-gather (layers)", "dmuon forward broadcast")
@@ -125,9 +125,6 @@ def _stage(sc: Scenario, sz: ModelSizes, design: str, pp: int, m: int, s: int) -
         k = fwd_k if c["name"] in _FORWARD_GATHERS else bwd_k if c["name"] in _BACKWARD_GATHERS else 1
         if k:
             colls.append(_scaled(c, k))
-    if pp > 1 and sc.reshard == "z3" and design != "dmuon" and bwd_k and not any(
-            c["name"] == _BACKWARD_GATHERS[0] for c in colls):
-        raise AssertionError("dmuon.plan: the baseline's per-layer units lost their backward gather")
     fwd, bwd = compute_ms(dataclasses.replace(dp, batch=sc.batch // m), sub, parts["fsdp_units"])
     muon_step = parts.get("muon_step_ms", parts["ns_ms"])
     exposed_step = exposed_ms(colls, "step", 0.0)
@@ -179,7 +176,14 @@ def simulate_pipeline_design(sc: Scenario, design: str, *, pp: int, microbatches
 def simulate_pipeline(sc: Scenario, designs: tuple[str, ...], *, pp: int, microbatches: int) -> dict[str, Any]:
     """Every design of ``designs`` and FSDP2 + AdamW on ``sc`` at ``pp`` stages, each with its overhead over the
     baseline at the same split (the shape of :func:`dmuon.tools.simulate.simulate`'s result, plus the pipeline's
-    numbers)."""
+    numbers).
+
+    Example::
+
+        from dmuon.tools.presets import PRESETS
+        res = simulate_pipeline(Scenario(PRESETS["llama3-8b"], 64, batch=16), ("dmuon",), pp=4, microbatches=8)
+        print(res["designs"]["dmuon"]["overhead"], res["bubble_fraction"])   # ..., 3 / 11
+    """
     check_pipeline(sc, pp=pp, microbatches=microbatches)
     results = {d: simulate_pipeline_design(sc, d, pp=pp, microbatches=microbatches)
                for d in dict.fromkeys(("fsdp_adamw", *designs))}

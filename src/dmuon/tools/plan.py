@@ -15,7 +15,8 @@ it, so a 512-rank plan fits a screen (``--per-rank``: one row per rank; ``--json
 ``--simulate`` predicts the step instead (:mod:`dmuon.tools.simulate`): per design (FSDP2 + AdamW, dmuon's
 ownership, the all-to-all designs), the step time, its overhead over FSDP2 + AdamW, the busiest rank's
 Newton–Schulz, the bytes per rank and the exposed communication, from Newton–Schulz times measured on an
-H200 and a link model given as options; ``--plot FILE`` draws the overhead from 8 to 1024 GPUs.
+H200 and a link model given as options; ``--plot FILE`` draws the overhead from 8 to 1024 GPUs; ``--pp N``
+splits the layers into N stages run by 1F1B and adds the pipeline's bubble (:mod:`dmuon.tools.pipeline`).
 ``--validate`` prints the model against every run ``docs/benchmarks.md`` measured.
 """
 
