@@ -15,7 +15,8 @@ it, so a 512-rank plan fits a screen (``--per-rank``: one row per rank; ``--json
 ``--simulate`` predicts the step instead (:mod:`dmuon.tools.simulate`): per design (FSDP2 + AdamW, dmuon's
 ownership, the all-to-all designs), the step time, its overhead over FSDP2 + AdamW, the busiest rank's
 Newton–Schulz, the bytes per rank and the exposed communication, from Newton–Schulz times measured on an
-H200 and a link model given as options; ``--plot FILE`` draws the overhead from 8 to 1024 GPUs.
+H200 and a link model given as options; ``--plot FILE`` draws the overhead from 8 to 1024 GPUs; ``--pp N``
+splits the layers into N stages run by 1F1B and adds the pipeline's bubble (:mod:`dmuon.tools.pipeline`).
 ``--validate`` prints the model against every run ``docs/benchmarks.md`` measured.
 """
 
@@ -168,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                "  python -m dmuon.plan --config config.json --world-size 16 --replicas 4 --json\n"
                "  python -m dmuon.plan --simulate --preset llama3-8b --world-size 64 --replicas 8 --plot o.png\n"
                "  python -m dmuon.plan --simulate --preset qwen3-30b-a3b --world-size 8 --ep 8\n"
+               "  python -m dmuon.plan --simulate --preset llama3-8b --world-size 64 --pp 4 --batch 16\n"
                "  python -m dmuon.plan --validate",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group()
@@ -209,8 +211,14 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (default 1)")
     sim.add_argument("--ep", type=int, default=1, metavar="E",
                      help="expert-parallel size, inside the shard group, MoE presets only (default 1)")
+    sim.add_argument("--pp", type=int, default=1, metavar="N",
+                     help="pipeline stages: the layers split into N contiguous stages, each over world / N ranks, "
+                          "run by 1F1B (default 1: no pipeline)")
+    sim.add_argument("--microbatches", type=int, metavar="M",
+                     help="with --pp: microbatches per step, dividing --batch (default 2N)")
     sim.add_argument("--batch", type=int, default=4, metavar="B",
-                     help="sequences per data-parallel rank and optimizer step (default 4)")
+                     help="sequences per data-parallel rank (with --pp: per pipeline) and optimizer step "
+                          "(default 4)")
     sim.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
     sim.add_argument("--reshard", choices=("z3", "z2"), default="z3",
                      help="dmuon: free the broadcast weights after forward (z3) or keep them (z2) (default z3)")
@@ -257,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = args.preset if args.preset else shape_from_hf_config(args.config)
         if args.simulate or args.plot or args.sweep:
             return _simulate_cli(args, parser, shape)
+        if args.pp != 1 or args.microbatches is not None:
+            raise ValueError("dmuon.plan: --pp and --microbatches are options of --simulate; add --simulate")
         if isinstance(shape, str) and shape in MOE_PRESETS:
             raise ValueError(f"dmuon.plan: {shape} is an MoE shape; its owner table is not built here, "
                              "predict its step with --simulate")
@@ -284,6 +294,8 @@ def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, sha
     sc = Scenario(preset, args.world_size, replicas=args.replicas, tp=args.tp, ep=args.ep, batch=args.batch,
                   seq=args.seq, dtype_bytes=_BYTES[args.dtype], reshard=args.reshard, ns_backend=args.ns_backend,
                   links=links)
+    if args.pp != 1 or args.microbatches is not None:
+        return _pipeline_cli(args, sc, designs)
     res = simulate(sc, designs)
     res["tokens_for_target"] = {d: tokens_for_overhead(sc, d, args.target) for d in designs}
     sw = sweep(sc, designs=designs) if args.sweep or args.plot else None
@@ -297,6 +309,26 @@ def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, sha
         print("\n" + format_sweep(sw))
     if args.plot:
         print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _pipeline_cli(args: argparse.Namespace, sc: Any, designs: tuple[str, ...]) -> int:
+    """``--simulate --pp N``: the pipeline's table or JSON (:mod:`dmuon.tools.pipeline`)."""
+    from .pipeline import simulate_pipeline
+    from .simulate import format_simulation
+
+    if args.pp < 1:
+        raise ValueError(f"dmuon.plan: --pp must be a positive int, got {args.pp}")
+    if args.pp == 1:
+        raise ValueError(f"dmuon.plan: --microbatches needs --pp of 2 or more, got --pp {args.pp}")
+    if args.sweep or args.plot:
+        raise ValueError("dmuon.plan: --sweep and --plot are not modelled with --pp; drop them or --pp")
+    m = 2 * args.pp if args.microbatches is None else args.microbatches
+    res = simulate_pipeline(sc, designs, pp=args.pp, microbatches=m)
+    if args.json:
+        print(json.dumps(dict(res, target=args.target)))
+    else:
+        print(format_simulation(res, {}, args.target))
     return 0
 
 

@@ -41,8 +41,8 @@ from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broa
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "simulate_design", "dmuon_schedule",
-           "expert_counts", "owner_plan"]
+__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "design_parts", "simulate_design",
+           "dmuon_schedule", "expert_counts", "owner_plan"]
 
 DESIGNS = {
     "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
@@ -365,10 +365,12 @@ def _torch_muon(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
     return {"collectives": [], "ns_ms": ns, "ns_rank": 0, "elementwise_ms": elementwise, "fsdp_units": 0}
 
 
-def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2026-11-29") -> dict[str, Any]:
-    """One design's step on ``sc``, per rank (the busiest where ranks differ): phase times, NS, element-wise
-    work, every collective with its bytes and time, and the exposed communication of each phase."""
-    sz = sizes_of(sc.shape, sc.seq)
+def design_parts(sc: Scenario, design: str, *, sizes: ModelSizes | None = None,
+                 naive_backend: str = "direct-2026-11-29") -> dict[str, Any]:
+    """What ``design`` issues and computes in one step on ``sc`` (of ``sizes``, default the preset's): its
+    collectives, NS, element-wise work and FSDP2 units, before any phase is timed (the pipeline model,
+    :mod:`dmuon.tools.pipeline`, times them per microbatch)."""
+    sz = sizes_of(sc.shape, sc.seq) if sizes is None else sizes
     if design == "fsdp_adamw":
         parts = _baseline(sc, sz)
     elif design == "dmuon":
@@ -384,6 +386,14 @@ def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2
     else:
         raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
                          f"{', '.join([*DESIGNS, *WHAT_IF_DESIGNS, *VALIDATION_DESIGNS])}")
+    return parts
+
+
+def simulate_design(sc: Scenario, design: str, *, naive_backend: str = "direct-2026-11-29") -> dict[str, Any]:
+    """One design's step on ``sc``, per rank (the busiest where ranks differ): phase times, NS, element-wise
+    work, every collective with its bytes and time, and the exposed communication of each phase."""
+    sz = sizes_of(sc.shape, sc.seq)
+    parts = design_parts(sc, design, sizes=sz, naive_backend=naive_backend)
     out = _phases(sc, sz, parts["collectives"], parts["fsdp_units"])
     muon_step = parts.get("muon_step_ms", parts["ns_ms"])
     out["optimizer_ms"] = muon_step + parts["elementwise_ms"] + out["exposed_step_ms"]

@@ -115,7 +115,11 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
     mesh = (f"{res['replicas']} x {res['shard']} HSDP" if res["replicas"] > 1 else f"FSDP over {res['shard']}")
     mesh += f", tp {res['tp']}" if res["tp"] > 1 else ""
     mesh += f", ep {res['ep']}" if res["ep"] > 1 else ""
-    lines = [f"{res['preset']} on {res['world_size']} ranks ({mesh}), {res['batch']} x {res['seq']} tokens per rank, "
+    pp = res.get("pp", 1)
+    if pp > 1:
+        mesh = f"pp {pp} x dp {res['shard']}, 1F1B over {res['microbatches']} microbatches"
+    lines = [f"{res['preset']} on {res['world_size']} ranks ({mesh}), {res['batch']} x {res['seq']} tokens per "
+             f"{'pipeline' if pp > 1 else 'rank'}, "
              f"dmuon {res['reshard'].upper()}",
              f"links: NVLink {links['nvlink_gbs']:g} GB/s, network {links['network_gbs']:g} GB/s per GPU, "
              f"{links['gpus_per_node']} GPUs a node, hop latency {links['nvlink_hop_us']:g} / "
@@ -123,13 +127,19 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
              f"{OVERLAP:.0%} of hideable comm under compute",
              "",
              f"{'design':<11} {'step ms':>9} {'vs FSDP2':>9} {'fwd+bwd':>9} {'optimizer':>9} {'NS ms':>8} "
-             f"{'exposed':>8} {'GB/rank':>8}"]
+             f"{'exposed':>8} {'GB/rank':>8}" + (f" {'bubble':>8}" if pp > 1 else "")]
     for d, r in res["designs"].items():
         fwd_bwd = r["forward_ms"] + r["backward_ms"]
         lines.append(f"{d:<11} {r['step_ms']:>9.1f} {1 + r['overhead']:>8.3f}x {fwd_bwd:>9.1f} "
                      f"{r['optimizer_ms']:>9.1f} {r['ns_ms']:>8.1f} {r['exposed_ms']:>8.1f} "
-                     f"{_gb(r['bytes_per_rank']):>8}")
+                     f"{_gb(r['bytes_per_rank']):>8}" + (f" {r['bubble_ms']:>8.1f}" if pp > 1 else ""))
     lines.append("")
+    if pp > 1:
+        base = res["designs"]["fsdp_adamw"]
+        lines.append(f"pipeline: the slowest stage sets each slot; bubble (N-1)/(M+N-1) = {pp - 1}/"
+                     f"{res['microbatches'] + pp - 1} = {res['bubble_fraction']:.1%} of the pipeline time; P2P "
+                     f"{base['p2p_bytes_per_microbatch'] / 1e6:.1f} MB a microbatch and boundary each way "
+                     f"({base['p2p_ms']:.2f} ms); NS ms, optimizer, exposed and GB/rank: the busiest stage's")
     lines.append("NS ms: the busiest rank's Newton-Schulz; exposed: communication no compute hides (the all-to-all "
                  "designs' step() all-to-alls included);\nGB/rank: what each rank sends per step, summed over its "
                  "collectives")
