@@ -22,7 +22,7 @@ names it expects. ``dcp.save`` writes every stage's keys into one checkpoint, an
 into any other pp x dp layout what its stages hold. What concerns one stage's params (the owners' metadata,
 the dicts' structure) is compared within the stage; the verdicts (:func:`detect_mode`, the checksums'
 mismatches) are agreed over the job, so every rank raises together before anything changes. Full dicts
-and rank-0 dicts are refused under stages (:func:`pipeline_problem`)."""
+and rank-0 dicts are refused under stages (:func:`refuse_full_under_stages`)."""
 
 from __future__ import annotations
 
@@ -111,16 +111,28 @@ def stage_views(state: DMuonState, views: list[object]) -> list[object]:
     return [views[r] for r in state.topology.stage_ranks]
 
 
-def pipeline_problem(state: DMuonState, what: str, *, sharded: bool) -> str | None:
-    """Why this call cannot run under pipeline stages, or ``None``: only sharded (DCP) dicts are supported
-    there. Decided from the job's topology and the call's own options, alike on every rank that passes the
-    same options. See [Note: pipeline state dicts]."""
+def refuse_full_under_stages(state: DMuonState, what: str, *, sharded: bool) -> None:
+    """Raise where this call needs a full or rank-0 dict under pipeline stages: only sharded (DCP) dicts are
+    supported there. Decided from the job's topology and the call's own options, alike on every rank that
+    passes the same options (the setters agree on it first: :func:`stage_problem`). See
+    [Note: pipeline state dicts]."""
+    if state.topology.pipelined and not sharded:
+        raise ValueError(
+            f"dmuon.{what}: full state dicts are not supported under pipeline stages yet "
+            f"({len(state.topology.stages)} stages, each holding other params); save with "
+            "dcp.save(dmuon.get_state_dict(model, optimizer, sharded=True), ...) and load into "
+            "dmuon.get_state_dict(model, optimizer, sharded=True, staged=True) with dcp.load, then "
+            "dmuon.set_state_dict."
+        )
+
+
+def stage_problem(state: DMuonState, *, sharded: bool) -> list[str]:
+    """This rank's finding about an incoming dict under pipeline stages (a full one), for the setters'
+    agreement, so every rank raises together."""
     if not state.topology.pipelined or sharded:
-        return None
-    return (f"dmuon.{what}: full state dicts are not supported under pipeline stages yet ({len(state.topology.stages)} "
-            "stages, each holding other params); save with dcp.save(dmuon.get_state_dict(model, optimizer, "
-            "sharded=True), ...) and load into dmuon.get_state_dict(model, optimizer, sharded=True, staged=True) with "
-            "dcp.load, then dmuon.set_state_dict.")
+        return []
+    return ["a full state dict, which pipeline stages do not take yet: load a sharded one "
+            "(dmuon.get_state_dict(model, optimizer, sharded=True, staged=True), then dcp.load)"]
 
 
 def listing(label: str, items: list[str]) -> str:

@@ -24,7 +24,8 @@ from ._common import (
     bcast_from_rank0,
     copy_into_dtensor,
     detect_mode,
-    pipeline_problem,
+    refuse_full_under_stages,
+    stage_problem,
     listing,
     prepare,
     rank0_owns,
@@ -115,9 +116,7 @@ def get_model_state_dict(
         dmuon.set_model_state_dict(model, target)   # refused (nothing changed) or loaded
     """
     state = engines.state_of(model)
-    refused = pipeline_problem(state, "get_model_state_dict", sharded=sharded)
-    if refused:
-        raise ValueError(refused)
+    refuse_full_under_stages(state, "get_model_state_dict", sharded=sharded)
     state = prepare(model)
     # param_dtype masters whose compute copy was written directly follow it (as the next step would).
     # Only here: a setter must not, since dcp.load fills the masters in place before set_model_state_dict
@@ -275,12 +274,11 @@ def check_model_sd(model: nn.Module, state_dict: Mapping[str, Any], *, what: str
     has = len(state_dict) > 0 or bool(problems)
     errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
     sharded = any(isinstance(v, DTensor) for v in state_dict.values())
-    refused = pipeline_problem(state, what, sharded=sharded) if has and not errors else None
-    errors += [refused] if refused else []
+    errors += stage_problem(state, sharded=sharded) if has and not errors else []
     fp = "" if sharded else structure_fingerprint(dict(state_dict))
     mode = detect_mode(state, what, has, errors, fp)
-    if mode is Mode.RANK0 and state.topology.pipelined:  # (agreed: every rank raises)
-        raise ValueError(pipeline_problem(state, what, sharded=False))
+    if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
+        refuse_full_under_stages(state, what, sharded=False)
     with torch.no_grad():
         _verify_checksums(state, entries, state_dict, mode, sharded, what)
     return ModelLoad(state, entries, state_dict, mode)

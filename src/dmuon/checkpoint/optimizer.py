@@ -32,7 +32,8 @@ from ._common import (
     bcast_object_from_rank0,
     detect_mode,
     gather_views,
-    pipeline_problem,
+    refuse_full_under_stages,
+    stage_problem,
     listing,
     prepare,
     rank0_owns,
@@ -163,9 +164,7 @@ def get_optimizer_state_dict(
     """
     state = _check_optimizer(model, optimizer)
     _engine(optimizer).check_optimizer_dict(sharded=sharded)
-    refused = pipeline_problem(state, "get_optimizer_state_dict", sharded=sharded)
-    if refused:
-        raise ValueError(refused)
+    refuse_full_under_stages(state, "get_optimizer_state_dict", sharded=sharded)
     prepare(model)
     ctx = state.ctx
     if sharded:
@@ -450,15 +449,14 @@ def _agree(opt: Muon, state: DMuonState, state_dict: Any, what: str) -> Mode:
     is_sharded = has and not errors and any(
         isinstance(v, DTensor) for e in state_dict["state"].values() for v in e.values()
     )
-    refused = pipeline_problem(state, what, sharded=is_sharded) if has and not errors else None
-    errors += [refused] if refused else []
+    errors += stage_problem(state, sharded=is_sharded) if has and not errors else []
     dedicated = {dp.fqn for dp in state.dedicated()}
     fp = "" if (is_sharded or not has or errors) else structure_fingerprint(
         {k: v for k, v in state_dict["state"].items() if k not in dedicated}
     )
     mode = detect_mode(state, what, has, errors, fp)
-    if mode is Mode.RANK0 and state.topology.pipelined:  # (agreed: every rank raises)
-        raise ValueError(pipeline_problem(state, what, sharded=False))
+    if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
+        refuse_full_under_stages(state, what, sharded=False)
     return mode
 
 
