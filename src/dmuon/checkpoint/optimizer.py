@@ -32,14 +32,14 @@ from ._common import (
     bcast_object_from_rank0,
     detect_mode,
     gather_views,
-    refuse_full_under_stages,
-    stage_problem,
     listing,
     prepare,
     rank0_owns,
+    refuse_full_under_stages,
     same_storage,
     scatter_dtensor,
     stage_copy,
+    stage_problem,
     stage_views,
     structure_fingerprint,
     tp_local,
@@ -177,7 +177,8 @@ def get_optimizer_state_dict(
     }
     every = _every_rank_state(opt)
     adamw_present = list(every)
-    views = stage_views(state, gather_views(state, (owned_meta, adamw_present)))  # TP: every row, so all raise together
+    # TP: every row, so all raise together; pipeline stages: compared within this rank's stage
+    views = stage_views(state, gather_views(state, (owned_meta, adamw_present)))
     if any(present != views[0][1] for _, present in views):
         raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
     muon_meta: dict[str, list] = {}
