@@ -62,20 +62,29 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
 def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
     """Global param names per group: a Muon group lists every FQN it holds on any rank, not just owned ones;
     under pipeline stages every stage's, in stage order ([Note: pipeline state dicts]; collective there, on
-    every rank alike)."""
+    every rank alike, which also checks that the stages' groups can share one ``param_groups``)."""
     names = [list(n) for n in optimizer.group_fqns()]
     if not state.topology.pipelined:
         return names
-    views = gather_views(state, names)
-    if len({len(v) for v in views}) != 1:  # type: ignore[arg-type]
-        counts = {r: len(v) for r, v in enumerate(views)}  # type: ignore[arg-type]
-        raise ValueError(f"dmuon: pipeline stages built dmuon.Muon with different numbers of param groups "
-                         f"(rank: count {counts}); their checkpoints need the same groups on every stage.")
+    settings = repr([sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+                     for g in optimizer.param_groups])
+    views: list[Any] = _each_stage(state, gather_views(state, (names, settings)))
+    if len({s for _, s in views}) != 1:
+        raise ValueError(
+            f"dmuon: the pipeline stages' dmuon.Muon param groups differ in number or settings ({len(views)} "
+            "stages); a DCP checkpoint keeps one copy of param_groups for the whole job, so build every stage's "
+            "optimizer with the same groups and hyperparameters."
+        )
     out: list[list[str]] = [[] for _ in names]
-    for ranks in state.topology.stages:
-        for i, stage_names in enumerate(views[ranks[0]]):  # type: ignore[arg-type]
-            out[i] += [n for n in stage_names if n not in set(out[i])]
+    for stage_names, _ in views:
+        for i, group in enumerate(stage_names):
+            out[i] += [n for n in group if n not in set(out[i])]
     return out
+
+
+def _each_stage(state: DMuonState, views: list[Any]) -> list[Any]:
+    """The view of each pipeline stage's first rank, in stage order, out of every rank's (global rank order)."""
+    return [views[ranks[0]] for ranks in state.topology.stages]
 
 
 #: groups of dedicated params: their state lives on the owner only (``adamw_owned``: AdamW on the owner)
