@@ -1,7 +1,8 @@
 """Checkpoints under pipeline parallelism: each stage saves its part of one DCP checkpoint (the full model's
 FQNs), which resumes on another pp or dp degree. A pp 2 x dp 2 job trains, saves, trains on (the uninterrupted
-twin), is refused a corrupted copy on every rank with nothing changed, then restores and trains again; a
-pp 2 x dp 1 and a pp 1 x dp 2 job load the same checkpoint and train on.
+twin), is refused a corrupted copy and a full dict on every rank with nothing changed, then restores and
+trains again; a pp 2 x dp 1 and a pp 1 x dp 2 job load the same checkpoint and train on (the first then
+refused a save whose stages' param groups differ).
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon.checkpoint.checksum import CHECKSUMS_KEY
 from tests._asserts import LOSS_RTOL, WEIGHT_RTOL, assert_close_to
 from tests._dist import run_distributed
 from tests._pipeline import Trainer, batches, full_weights
-from torch.distributed.device_mesh import init_device_mesh
 
 STEPS, SAVE_AT = 3, 2
 
