@@ -75,7 +75,8 @@ def _schedule(name: str) -> type:
 def build_stage(mesh, *, reshard_after_forward: bool = True) -> tuple[Stage, dmuon.Muon]:
     """This rank's stage of the test model, dedicated over ``mesh["dp"]`` and sharded with FSDP2 over it."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
-    stage = Stage(build_model(), LAYERS[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+    layers = tuple(i for s in sorted(LAYERS) for i in LAYERS[s]) if pp == 1 else LAYERS[pp_rank]  # pp 1: every layer
+    stage = Stage(build_model(), layers, first=pp_rank == 0, last=pp_rank == pp - 1)
     dmuon.dedicate_params(stage, mesh["dp"], projection_predicate, reshard_after_forward=reshard_after_forward,
                           verbose=False)
     for layer in stage.layers.values():
@@ -195,3 +196,64 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights, "logits": logits_of(weights)}
 
+
+
+# --------------------------------------------------------------------------------------------------- #
+# Checkpoints across pipeline layouts                                                                  #
+# --------------------------------------------------------------------------------------------------- #
+class Trainer:
+    """This rank's stage on a ``(pp, dp)`` mesh (pp 1: the whole model, as one stage), trained one 1F1B step
+    (two microbatches) at a time on its dp share of the global batch."""
+
+    def __init__(self, mesh):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        torch.manual_seed(0)
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+        self.model, self.opt = build_stage(mesh)
+        self.pipe = PipelineStage(self.model, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        self.schedule = Schedule1F1B(self.pipe, n_microbatches=2, loss_fn=lm_loss)
+
+    def step(self, tok: torch.Tensor, tgt: torch.Tensor) -> float | None:
+        """One optimizer step; the mean loss of this rank's microbatches on the last stage, else ``None``."""
+        per = GLOBAL_BATCH // self.dp
+        part = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        self.opt.zero_grad()
+        out: list[torch.Tensor] = []
+        if self.pipe.is_first and self.pipe.is_last:
+            self.schedule.step(tok[part], target=tgt[part], losses=out)
+        elif self.pipe.is_first:
+            self.schedule.step(tok[part])
+        else:
+            self.schedule.step(target=tgt[part], losses=out)
+        self.opt.step()
+        return sum(x.item() for x in out) / len(out) if out else None
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(dmuon.get_state_dict(self.model, self.opt, sharded=True), checkpoint_id=path)
+
+    def staged(self, path: str) -> dict:
+        """The checkpoint at ``path`` read into staged copies (nothing live changed yet)."""
+        import torch.distributed.checkpoint as dcp
+
+        sd = dmuon.get_state_dict(self.model, self.opt, sharded=True, staged=True)
+        dcp.load(sd, checkpoint_id=path)
+        return sd
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """This stage's weights and this rank's optimizer state (staged copies' local tensors), by key."""
+        out = {f"model.{k}": v for k, v in full_weights(self.model).items()}
+        optim = dmuon.get_optimizer_state_dict(self.model, self.opt, sharded=True, staged=True)
+
+        def walk(prefix: str, x) -> None:
+            if isinstance(x, dict):
+                for k, v in x.items():
+                    walk(f"{prefix}.{k}", v)
+            elif isinstance(x, torch.Tensor):
+                out[prefix] = (x.to_local() if hasattr(x, "to_local") else x).clone()
+
+        walk("optim", optim)
+        return out

@@ -10,7 +10,19 @@ is whole in full dicts (:func:`bcast_from_owner`: each row broadcasts its owner'
 ``comm.tp_all_gather`` concatenates the shards over "tp" along ``tp_dim``: the same bytes a dp-only run
 saves) and sliced on load (:func:`tp_slice`); in sharded dicts each owner-slot tp rank gives its shard as
 a DTensor over "tp" (``runtime.param.laid_out_like``), whose chunk offsets DCP records, so any other dp x tp layout
-reads what it needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths."""
+reads what it needs. Momentum buffers of TP matrices are per shard like the weights and follow the same paths.
+
+[Note: pipeline state dicts]
+Under pipeline parallelism ([Note: pipeline stages] in ``runtime/topology.py``) each stage holds other
+params, each with the full model's FQN. A sharded dict is then this stage's part of the checkpoint: its
+tensors, the checksums of its keys ([Note: checksums across pipeline stages] in ``checksum.py``), and
+``param_groups`` whose ``param_names`` list the whole job's params (every stage's, in stage order), so
+that every stage saves the same groups (DCP keeps one copy) and a load with another pp degree finds the
+names it expects. ``dcp.save`` writes every stage's keys into one checkpoint, and ``dcp.load`` reads
+into any other pp x dp layout what its stages hold. What concerns one stage's params (the owners' metadata,
+the dicts' structure) is compared within the stage; the verdicts (:func:`detect_mode`, the checksums'
+mismatches) are agreed over the job, so every rank raises together before anything changes. Full dicts
+and rank-0 dicts are refused under stages (:func:`refuse_full_under_stages`)."""
 
 from __future__ import annotations
 
@@ -89,6 +101,38 @@ def detect_mode(state: DMuonState, what: str, has_dict: bool, local_errors: list
     if problems:
         raise ValueError(f"dmuon.{what}: the state dict does not match; nothing was changed.\n" + "\n".join(problems))
     return mode
+
+
+def stage_views(state: DMuonState, views: list[object]) -> list[object]:
+    """The views of this rank's pipeline stage out of every rank's (:func:`gather_views`, in global rank
+    order under stages); all of them without pipeline parallelism. See [Note: pipeline state dicts]."""
+    if not state.topology.pipelined:
+        return views
+    return [views[r] for r in state.topology.stage_ranks]
+
+
+def refuse_full_under_stages(state: DMuonState, what: str, *, sharded: bool) -> None:
+    """Raise where this call needs a full or rank-0 dict under pipeline stages: only sharded (DCP) dicts are
+    supported there. Decided from the job's topology and the call's own options, alike on every rank that
+    passes the same options (the setters agree on it first: :func:`stage_problem`). See
+    [Note: pipeline state dicts]."""
+    if state.topology.pipelined and not sharded:
+        raise ValueError(
+            f"dmuon.{what}: full state dicts are not supported under pipeline stages yet "
+            f"({len(state.topology.stages)} stages, each holding other params); save with "
+            "dcp.save(dmuon.get_state_dict(model, optimizer, sharded=True), ...) and load into "
+            "dmuon.get_state_dict(model, optimizer, sharded=True, staged=True) with dcp.load, then "
+            "dmuon.set_state_dict."
+        )
+
+
+def stage_problem(state: DMuonState, *, sharded: bool) -> list[str]:
+    """This rank's finding about an incoming dict under pipeline stages (a full one), for the setters'
+    agreement, so every rank raises together."""
+    if not state.topology.pipelined or sharded:
+        return []
+    return ["a full state dict, which pipeline stages do not take yet: load a sharded one "
+            "(dmuon.get_state_dict(model, optimizer, sharded=True, staged=True), then dcp.load)"]
 
 
 def listing(label: str, items: list[str]) -> str:

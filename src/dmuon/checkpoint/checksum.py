@@ -25,6 +25,17 @@ Why it is exact in int64 on any device: per row of L words, |w| < 2^31 and the w
 L(L+1)/2 < 2^29, so a row sum stays below 2^60 before it is reduced mod P; the row sums mod P then add
 up over at most 2^33 / L rows, far below 2^63.
 
+[Note: checksums across pipeline stages]
+Under pipeline parallelism ([Note: pipeline stages] in ``runtime/topology.py``) each stage holds other
+tensors (the full model's FQNs, disjoint between stages), so one all-reduce over per-rank item lists would
+pair unrelated sums, or none at all. Under stages the sums run over the union of every rank's keys
+(:func:`job_keys`, one gather of the key lists), each rank adding zero where it holds no part; a key's
+parts all come from its own stage, whose slot-0 rank counts its replicated tensors and gives the expected
+value from the stage's table. Every rank then sees every stage's mismatches, so a corrupted part of one
+stage is refused on every rank of the job together. Each stage's sharded dict carries its own keys'
+checksums; DCP flattens the table into one entry per FQN, so the saved file holds every stage's and a load
+with any other pp or dp degree finds the ones it needs.
+
 Where the values live: a full state dict's tensors carry theirs as the attribute ``_dmuon_checksum``,
 which ``torch.save`` / ``torch.load`` (also ``weights_only=True``) keep and ``load_state_dict`` ignores, so
 the dict still loads into a plain model; a sharded (DCP) dict has one extra entry, ``_dmuon_checksums``
@@ -248,19 +259,45 @@ def _part(item: Item, v: Any, ctx: C.CommContext, everything_here: bool, tp_rank
     return checksum_part(v.detach().reshape(-1)[first:first + n].to(ctx.device), first * words_per_element(v.dtype))
 
 
+def job_keys(ctx: C.CommContext, keys: Sequence[str], pipelined: bool) -> list[str]:
+    """The keys every rank of the job sums over, in one order: this rank's own, or under pipeline stages the
+    union of every stage's (each holds other FQNs; see [Note: checksums across pipeline stages]). Collective
+    where ``pipelined``."""
+    if not pipelined:
+        return list(keys)
+    return sorted({str(k) for ks in C.all_gather_object(ctx, list(keys)) for k in ks})  # type: ignore[union-attr]
+
+
+def _sums(ctx: C.CommContext, keys: Sequence[str], parts: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each key's parts summed over every rank of the job (mod P): one all-reduce over ``keys`` (the same list
+    on every rank), a rank adding zero for the keys it holds no part of."""
+    if not keys:
+        return {}
+    zero = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    total = C.all_reduce_sum(ctx, torch.stack([parts.get(k, zero) for k in keys])) % P
+    return dict(zip(keys, (int(x) for x in total.tolist())))
+
+
 def collect(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], *,
-            everything_here: bool = False, tp_rank: int | None = None) -> dict[str, int]:
+            everything_here: bool = False, tp_rank: int | None = None, pipelined: bool = False) -> dict[str, int]:
     """Every item's checksum over ``values`` (live tensors or an incoming dict; a key may be absent where
     this rank holds no part). Collective, one all-reduce: each rank adds the part it counts;
     ``everything_here``: this rank holds all of every value (a rank-0-only dict on rank 0), the others
     none. ``tp_rank``: this rank's tp index under tensor parallelism (the sum then runs over every rank).
+    ``pipelined``: the job has pipeline stages, whose items differ (one more gather, of the keys).
     Parts are summed on the device, so only this rank's share is read."""
-    if not items:
-        return {}
+    every = _collect(ctx, items, values, everything_here, tp_rank, pipelined)
+    return {it.key: every[it.key] for it in items}
+
+
+def _collect(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], everything_here: bool,
+             tp_rank: int | None, pipelined: bool) -> dict[str, int]:
+    """:func:`collect` over the job's keys (:func:`job_keys`): this rank's items and, under pipeline stages,
+    every other stage's."""
+    keys = job_keys(ctx, [it.key for it in items], pipelined)
     with torch.no_grad():
-        parts = torch.stack([_part(it, values.get(it.key), ctx, everything_here, tp_rank) for it in items])
-        total = C.all_reduce_sum(ctx, parts) % P
-    return dict(zip((it.key for it in items), (int(x) for x in total.tolist())))
+        parts = {it.key: _part(it, values.get(it.key), ctx, everything_here, tp_rank) for it in items}
+        return _sums(ctx, keys, parts)
 
 
 def stored(values: Mapping[str, Any], table: Any) -> dict[str, int]:
@@ -271,15 +308,18 @@ def stored(values: Mapping[str, Any], table: Any) -> dict[str, int]:
 
 
 def mismatches(ctx: C.CommContext, items: Sequence[Item], values: Mapping[str, Any], expected: Mapping[str, int],
-               *, rank0_only: bool, tp_rank: int | None = None) -> list[str]:
-    """The keys whose incoming values do not match the checksums global rank 0 sees in ``expected`` (keys
-    without one are not checked; none at all: nothing is read). The same list on every rank. Collective
-    (``tp_rank``: see :func:`collect`)."""
-    me = dist.get_rank() == 0
+               *, rank0_only: bool, tp_rank: int | None = None, pipelined: bool = False) -> list[str]:
+    """The keys whose incoming values do not match the checksums the dict carries in ``expected``, as global
+    rank 0 sees them (under pipeline stages: each stage's first rank, for its own keys). Keys without one are
+    not checked; none at all: nothing is read. The same list on every rank of the job, so all raise together.
+    Collective (``tp_rank``, ``pipelined``: see :func:`collect`)."""
+    keys = job_keys(ctx, [it.key for it in items], pipelined)
+    me = ctx.rank == 0 if pipelined else dist.get_rank() == 0
+    own = {it.key for it in items}
     with torch.no_grad():
-        want = C.all_reduce_sum(ctx, torch.tensor([expected.get(it.key, -1) + 1 if me else 0 for it in items],
-                                                  dtype=torch.int64, device=ctx.device)).tolist()
-    if not any(want):
+        want = _sums(ctx, keys, {k: torch.tensor(expected.get(k, -1) + 1 if me else 0, dtype=torch.int64,
+                                                 device=ctx.device) for k in keys if k in own})
+    if not any(want.values()):
         return []
-    got = collect(ctx, items, values, everything_here=rank0_only and me, tp_rank=tp_rank)
-    return [it.key for it, w in zip(items, want) if w and got[it.key] != w - 1]
+    got = _collect(ctx, items, values, rank0_only and me, tp_rank, pipelined)
+    return [k for k in keys if want[k] and got[k] != want[k] - 1]

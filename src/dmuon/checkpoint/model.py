@@ -27,9 +27,11 @@ from ._common import (
     listing,
     prepare,
     rank0_owns,
+    refuse_full_under_stages,
     same_storage,
     scatter_dtensor,
     stage_copy,
+    stage_problem,
     structure_fingerprint,
     tp_local,
     tp_rank,
@@ -113,6 +115,8 @@ def get_model_state_dict(
         dcp.load({"model": target}, checkpoint_id="ckpt/")
         dmuon.set_model_state_dict(model, target)   # refused (nothing changed) or loaded
     """
+    state = engines.state_of(model)
+    refuse_full_under_stages(state, "get_model_state_dict", sharded=sharded)
     state = prepare(model)
     # param_dtype masters whose compute copy was written directly follow it (as the next step would).
     # Only here: a setter must not, since dcp.load fills the masters in place before set_model_state_dict
@@ -148,7 +152,8 @@ def get_model_state_dict(
                 out[e.key] = value.cpu() if cpu_offload else value
     if not checksums:
         return out
-    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries}, tp_rank=tp_rank(state))
+    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries}, tp_rank=tp_rank(state),
+                   pipelined=state.topology.pipelined)
     if sharded:
         out[CHECKSUMS_KEY] = sums
     else:
@@ -174,7 +179,7 @@ def _verify_checksums(state: DMuonState, entries: list[_Entry], sd: Mapping[str,
     """Compare the incoming tensors with the checksums the dict carries (where it carries any); raise on
     every rank together, before anything is written. Collective (one more all-reduce to word the error)."""
     bad = mismatches(state.ctx, _items(entries), sd, stored(sd, sd.get(CHECKSUMS_KEY)), rank0_only=mode is Mode.RANK0,
-                     tp_rank=tp_rank(state))
+                     tp_rank=tp_rank(state), pipelined=state.topology.pipelined)
     if not bad:
         return
     bad_list = listing("checksums do not match", bad)
@@ -269,8 +274,11 @@ def check_model_sd(model: nn.Module, state_dict: Mapping[str, Any], *, what: str
     has = len(state_dict) > 0 or bool(problems)
     errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
     sharded = any(isinstance(v, DTensor) for v in state_dict.values())
+    errors += stage_problem(state, sharded=sharded) if has and not errors else []
     fp = "" if sharded else structure_fingerprint(dict(state_dict))
     mode = detect_mode(state, what, has, errors, fp)
+    if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
+        refuse_full_under_stages(state, what, sharded=False)
     with torch.no_grad():
         _verify_checksums(state, entries, state_dict, mode, sharded, what)
     return ModelLoad(state, entries, state_dict, mode)

@@ -35,9 +35,12 @@ from ._common import (
     listing,
     prepare,
     rank0_owns,
+    refuse_full_under_stages,
     same_storage,
     scatter_dtensor,
     stage_copy,
+    stage_problem,
+    stage_views,
     structure_fingerprint,
     tp_local,
     tp_rank,
@@ -57,8 +60,31 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
 
 
 def _group_names(optimizer: Any, state: DMuonState) -> list[list[str]]:
-    """Global param names per group: a Muon group lists every FQN it holds on any rank, not just owned ones."""
-    return [list(names) for names in optimizer.group_fqns()]
+    """Global param names per group: a Muon group lists every FQN it holds on any rank, not just owned ones;
+    under pipeline stages every stage's, in stage order ([Note: pipeline state dicts]; collective there, on
+    every rank alike, which also checks that the stages' groups can share one ``param_groups``)."""
+    names = [list(n) for n in optimizer.group_fqns()]
+    if not state.topology.pipelined:
+        return names
+    settings = repr([sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+                     for g in optimizer.param_groups])
+    views: list[Any] = _each_stage(state, gather_views(state, (names, settings)))
+    if len({s for _, s in views}) != 1:
+        raise ValueError(
+            f"dmuon: the pipeline stages' dmuon.Muon param groups differ in number or settings ({len(views)} "
+            "stages); a DCP checkpoint keeps one copy of param_groups for the whole job, so build every stage's "
+            "optimizer with the same groups and hyperparameters."
+        )
+    out: list[list[str]] = [[] for _ in names]
+    for stage_names, _ in views:
+        for i, group in enumerate(stage_names):
+            out[i] += [n for n in group if n not in set(out[i])]
+    return out
+
+
+def _each_stage(state: DMuonState, views: list[Any]) -> list[Any]:
+    """The view of each pipeline stage's first rank, in stage order, out of every rank's (global rank order)."""
+    return [views[ranks[0]] for ranks in state.topology.stages]
 
 
 #: groups of dedicated params: their state lives on the owner only (``adamw_owned``: AdamW on the owner)
@@ -147,6 +173,7 @@ def get_optimizer_state_dict(
     """
     state = _check_optimizer(model, optimizer)
     _engine(optimizer).check_optimizer_dict(sharded=sharded)
+    refuse_full_under_stages(state, "get_optimizer_state_dict", sharded=sharded)
     prepare(model)
     ctx = state.ctx
     if sharded:
@@ -159,7 +186,8 @@ def get_optimizer_state_dict(
     }
     every = _every_rank_state(opt)
     adamw_present = list(every)
-    views = gather_views(state, (owned_meta, adamw_present))  # TP: every row, so all raise together
+    # TP: every row, so all raise together; pipeline stages: compared within this rank's stage
+    views = stage_views(state, gather_views(state, (owned_meta, adamw_present)))
     if any(present != views[0][1] for _, present in views):
         raise RuntimeError("dmuon.get_optimizer_state_dict: ranks disagree on which AdamW params have state.")
     muon_meta: dict[str, list] = {}
@@ -232,7 +260,7 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list],
             if isinstance(v, torch.Tensor):
                 items.append(Item(f"{name}.{k}", None, p))
                 live[f"{name}.{k}"] = v
-    return collect(ctx, items, live, tp_rank=tp_rank(state))
+    return collect(ctx, items, live, tp_rank=tp_rank(state), pipelined=state.topology.pipelined)
 
 
 def _item(dp: DedicatedParam, key: str) -> Item:
@@ -252,12 +280,11 @@ def _bcast_rows(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | Non
     return C.wait(C.broadcast(ctx, buf, dp.owner, CommKind.CHECKPOINT, label, dim=C.Dim.WORLD))
 
 
-def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any) -> list[str]:
+def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any, expected_names: list[list[str]]) -> list[str]:
     if not isinstance(sd, Mapping) or set(sd) - {CHECKSUMS_KEY} != {"state", "param_groups"}:
         keys = sorted(map(str, sd)) if isinstance(sd, Mapping) else type(sd).__name__
         return [f"expected a dict with 'state' and 'param_groups', got {keys}"]
     groups, st = sd["param_groups"], sd["state"]
-    expected_names = _group_names(opt, state)
     if not isinstance(groups, (list, tuple)) or len(groups) != len(opt.param_groups):
         return [f"expected {len(opt.param_groups)} param groups, got {len(groups) if isinstance(groups, (list, tuple)) else groups!r}"]
     errors = []
@@ -397,7 +424,7 @@ def _verify_checksums(opt: Muon, state: DMuonState, sd: Mapping[str, Any], mode:
     values = {f"{n}.{k}": v for n, e in local_state.items() if isinstance(e, Mapping) for k, v in e.items()}
     table = sd.get(CHECKSUMS_KEY) if isinstance(sd, Mapping) else None
     bad = mismatches(state.ctx, items, values, stored(values, table), rank0_only=mode is Mode.RANK0,
-                     tp_rank=tp_rank(state))
+                     tp_rank=tp_rank(state), pipelined=state.topology.pipelined)
     if not bad:
         return
     bad_list = listing("checksums do not match", bad)
@@ -427,15 +454,20 @@ def _aliases_live_state(opt: Muon, state: DMuonState, local_state: Mapping[str, 
 def _agree(opt: Muon, state: DMuonState, state_dict: Any, what: str) -> Mode:
     """Validate locally, then agree with every rank on the mode (or raise together)."""
     has = isinstance(state_dict, Mapping) and len(state_dict) > 0
-    errors = _validate_optim_sd(opt, state, state_dict) if has else []
+    names = _group_names(opt, state)  # (collective under pipeline stages: every rank, before any validation)
+    errors = _validate_optim_sd(opt, state, state_dict, names) if has else []
     is_sharded = has and not errors and any(
         isinstance(v, DTensor) for e in state_dict["state"].values() for v in e.values()
     )
+    errors += stage_problem(state, sharded=is_sharded) if has and not errors else []
     dedicated = {dp.fqn for dp in state.dedicated()}
     fp = "" if (is_sharded or not has or errors) else structure_fingerprint(
         {k: v for k, v in state_dict["state"].items() if k not in dedicated}
     )
-    return detect_mode(state, what, has, errors, fp)
+    mode = detect_mode(state, what, has, errors, fp)
+    if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
+        refuse_full_under_stages(state, what, sharded=False)
+    return mode
 
 
 def _sources(state: DMuonState, state_dict: Any, mode: Mode) -> tuple[list[dict], dict | None, Mapping[str, Any]]:
