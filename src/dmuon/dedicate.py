@@ -157,8 +157,11 @@ def dedicate_params(
             param, each orthogonalised alone ([Note: matrix blocks] in ``dmuon/runtime/blocks.py``):
             ``None`` (default) keeps one matrix per trailing two dims; ``k`` splits the rows into ``k``
             equal blocks (per-head blocks, a fused gate/up ``[E, 2 I, H]`` with ``2``); a list gives each
-            block's rows (a fused QKV: ``[q_rows, k_rows, v_rows]``). Blocks that do not tile the rows raise
-            ``ValueError``. Each block takes ``adjust_lr_fn`` on its own shape. Example::
+            block's rows (a fused QKV: ``[q_rows, k_rows, v_rows]``); ``Interleaved`` blocks repeat in
+            groups; ``Columns(...)`` splits the columns instead (a gate/up ``[E, H, 2 I]``, GPT-OSS's
+            interleaved one as ``Columns(Interleaved(2, I))``); ``dmuon.integrations.hf.matrix_blocks(model)``
+            answers for each HF family. Blocks that do not tile raise ``ValueError``. Each block takes
+            ``adjust_lr_fn`` on its own shape. Example::
 
                 dmuon.dedicate_params(model, mesh, predicate,
                                       blocks=lambda fqn, p: [4096, 1024, 1024] if fqn.endswith("wqkv.weight") else None)
