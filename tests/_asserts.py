@@ -57,6 +57,22 @@ def assert_bitwise(a: Mapping, b: Mapping, what: str) -> None:
         assert torch.equal(a["weights"][k], b["weights"][k]), f"{what}: {k} differs"
 
 
+def differences(a: object, b: object, where: str = "") -> list[str]:
+    """Where two nested dicts / lists of tensors and values differ (tensors bit for bit, dtypes included): what a
+    refused load must leave unchanged."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if sorted(map(str, a)) != sorted(map(str, b)):
+            return [f"{where}: keys differ"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = (a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        return [] if same else [where]
+    return [] if a == b else [where]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a test's child process (a script, an example, torchrun): one thread per rank (the
     ranks share the cores), the checkout importable without an install, and CPU/gloo even on a GPU machine

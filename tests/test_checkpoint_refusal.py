@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests._asserts import differences
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -88,21 +90,6 @@ def _snapshot(model: Any, opt: Any) -> dict:
             "optim": dmuon.get_optimizer_state_dict(model, opt)}
 
 
-def _differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """Where ``a`` and ``b`` differ (tensors bit for bit, dtypes included)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if sorted(map(str, a)) != sorted(map(str, b)):
-            return [f"{where}: keys differ"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = (a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-        return [] if same else [where]
-    return [] if a == b else [where]
-
-
 def outcome(load: Callable[[], object]) -> str:
     """``"loaded"``, or the message of the ValueError that ``load`` raised."""
     try:
@@ -136,15 +123,15 @@ def _scenario(layout: str, root: str, build: Callable[[], tuple[Any, Any, Step]]
                    dict(zip(("model_byte", "optim_byte"), FLIPPED[layout])))
     dist.barrier()
     before = _snapshot(model, opt)
-    out: dict[str, Any] = {"a_differs": bool(_differences(at_a, before))}
+    out: dict[str, Any] = {"a_differs": bool(differences(at_a, before))}
     for name in BAD:
         out[name] = _load(model, opt, os.path.join(root, name))
-        out[f"{name} changed"] = _differences(before, _snapshot(model, opt))
+        out[f"{name} changed"] = differences(before, _snapshot(model, opt))
     losses += [(step(3), twin_step(3))]
     out["losses"] = losses
-    out["twin differs"] = _differences(_snapshot(twin, twin_opt), _snapshot(model, opt))
+    out["twin differs"] = differences(_snapshot(twin, twin_opt), _snapshot(model, opt))
     out["intact"] = _load(model, opt, os.path.join(root, "A"), cpu_offload=False)
-    out["not restored"] = _differences(at_a, _snapshot(model, opt))
+    out["not restored"] = differences(at_a, _snapshot(model, opt))
     return out
 
 

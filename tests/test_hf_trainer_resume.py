@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests._asserts import differences
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
@@ -77,21 +79,6 @@ def _snapshot(model: Any, opt: Any, sched: Any) -> dict[str, Any]:
             "optim": dmuon.get_optimizer_state_dict(model, opt), "sched": copy.deepcopy(sched.state_dict())}
 
 
-def _differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """Where ``a`` and ``b`` differ (tensors bit for bit, dtypes included)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if sorted(map(str, a)) != sorted(map(str, b)):
-            return [f"{where}: keys differ"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                          b.view(-1).view(torch.uint8))
-        return [] if same else [where]
-    return [] if a == b else [where]
-
-
 def _damaged_copies(rank: int, good: str, outdir: str) -> dict[str, str]:
     """Rank 0 copies the checkpoint three times and damages each copy's optimizer file; every rank waits."""
     import torch.distributed as dist
@@ -120,7 +107,7 @@ def _attempt(run: Callable[[], Any], snapshot: Callable[[], dict[str, Any]], bef
         error = None
     except Exception as e:  # noqa: BLE001 - the test reads the type and the message
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "changed": _differences(before, snapshot())}
+    return {"error": error, "changed": differences(before, snapshot())}
 
 
 def _resume_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
