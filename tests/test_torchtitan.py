@@ -261,7 +261,8 @@ def _refused_loads(rank: int, root: str, model: Any, optimizers: Any, lr_schedul
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     from dmuon.integrations import torchtitan as dmuon_tt
-    from tests.test_checkpoint_refusal import _differences, bad_copies, outcome
+    from tests._asserts import differences
+    from tests.test_checkpoint_refusal import bad_copies, outcome
 
     fqn, ckpt = canonical_fqn(sorted(dmuon.get_dedicated_params(model))[0]), f"{root}/checkpoint/step-"
     if rank == 0:
@@ -280,7 +281,7 @@ def _refused_loads(rank: int, root: str, model: Any, optimizers: Any, lr_schedul
         out[name] = outcome(lambda: checkpointer.load(step=SAVE_AT))
         checkpointer.close()
         parts = zip(("model", "optim", "lr_schedulers", "train_state"), before, snapshot())
-        out[f"{name} changed"] = [part for part, a, b in parts if _differences(a, b)]
+        out[f"{name} changed"] = [part for part, a, b in parts if differences(a, b)]
     return out
 
 
