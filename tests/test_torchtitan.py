@@ -24,7 +24,7 @@ pytest.importorskip("torchtitan.models.llama3")
 import torch.distributed as dist  # noqa: E402
 
 import dmuon  # noqa: E402
-from tests._asserts import torchrun  # noqa: E402
+from tests._asserts import differences, torchrun  # noqa: E402
 from tests._dist import rank_threads, run_distributed  # noqa: E402
 
 WORLD = 2
@@ -261,7 +261,6 @@ def _refused_loads(rank: int, root: str, model: Any, optimizers: Any, lr_schedul
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     from dmuon.integrations import torchtitan as dmuon_tt
-    from tests._asserts import differences
     from tests.test_checkpoint_refusal import bad_copies, outcome
 
     fqn, ckpt = canonical_fqn(sorted(dmuon.get_dedicated_params(model))[0]), f"{root}/checkpoint/step-"
