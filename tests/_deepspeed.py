@@ -76,6 +76,21 @@ def build(world: int, run: Run, *, schedule: Callable[[dmuon.Muon], Any] | None 
     return engine, model, opt
 
 
+def build_bf16(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:
+    """:func:`build` in bf16 (DeepSpeed's ``"bf16"``, plus ``ds_extra``): the model cast before
+    ``dedicate_params``, as DeepSpeed's bf16 needs, dedicated gradients reduced in fp32, fp32 Muon masters."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = build_model().to(torch.bfloat16)
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False,
+                          reduce_dtype=torch.float32)
+    opt = dmuon.Muon(model, **muon_kwargs(), master_dtype=torch.float32)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(
+        world, stage=run.stage, accum=run.accum, clip=run.clip, bf16={"enabled": True}, **ds_extra))
+    return engine, model, opt
+
+
 def train(engine: Any, model: torch.nn.Module, rank: int, world: int, run: Run, steps: range,
           before_step: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """docs/guides/deepspeed.md's loop over ``steps`` of the shared batches; ``before_step`` runs after each

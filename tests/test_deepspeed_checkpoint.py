@@ -9,33 +9,16 @@ import pytest
 import torch
 
 from tests._asserts import assert_bitwise
-from tests._deepspeed import Run, build, result, setup, train
+from tests._deepspeed import Run, build, build_bf16, result, setup, train
 from tests._dist import run_distributed
 
 pytest.importorskip("deepspeed")
 
 STEPS, SAVE_AT = 4, 2
-BF16 = {"bf16": {"enabled": True}}
 
 
 def _build(world: int, run: Run, bf16: bool) -> tuple:
-    if not bf16:
-        return build(world, run)
-    import deepspeed
-    import dmuon
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests._deepspeed import config
-    from tests._training import build_model, muon_kwargs, projection_predicate
-
-    torch.manual_seed(0)
-    model = build_model().to(torch.bfloat16)  # cast before dedicate_params, as DeepSpeed's bf16 needs
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False,
-                          reduce_dtype=torch.float32)
-    opt = dmuon.Muon(model, **muon_kwargs(), master_dtype=torch.float32)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(
-        world, stage=run.stage, accum=run.accum, clip=run.clip, **BF16))
-    return engine, model, opt
+    return build_bf16(world, run) if bf16 else build(world, run)
 
 
 def restart_job(rank: int, world: int, run: Run, bf16: bool, ckpt: str) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests._asserts import assert_bitwise, assert_close_to
-from tests._deepspeed import Run, build, config, result, setup, train
+from tests._deepspeed import Run, build, build_bf16, result, setup, train
 from tests._dist import run_distributed
 from tests._training import ADAMW_HP, MUON_HP, train_oracle
 
@@ -51,27 +51,11 @@ def test_a_config_scheduler_drives_muon_at_its_ratio():
         assert_close_to(r["config"], r["torch"], "config WarmupLR vs LambdaLR")
 
 
-BF16_ACCUM_FP32 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+#: bf16 (``build_bf16``) with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer at stage 1
+ACCUM_FP32 = {"data_types": {"grad_accum_dtype": "fp32"}}
 #: step 0's norm against torch's in fp32 on one process: bf16's forward and rounding only (3e-4 measured), far
 #: below the 6.5% the dedicated gradients add
 NORM_RTOL = 1e-2
-
-
-def _build_bf16(world: int, run: Run) -> tuple:
-    import deepspeed
-    import dmuon
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests._training import build_model, muon_kwargs, projection_predicate
-
-    torch.manual_seed(0)
-    model = build_model().to(torch.bfloat16)
-    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False,
-                          reduce_dtype=torch.float32)
-    opt = dmuon.Muon(model, **muon_kwargs(), master_dtype=torch.float32)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(
-        world, stage=run.stage, accum=run.accum, clip=run.clip, **BF16_ACCUM_FP32))
-    return engine, model, opt
 
 
 def bf16_job(rank: int, world: int, ckpt: str) -> dict:
@@ -79,13 +63,13 @@ def bf16_job(rank: int, world: int, ckpt: str) -> dict:
 
     setup(rank)
     run = Run(1, 1, 0.5)
-    engine, model, _ = _build_bf16(world, run)
+    engine, model, _ = build_bf16(world, run, **ACCUM_FP32)
     kind = type(engine.optimizer).__name__
     head = train(engine, model, rank, world, run, range(2))
     engine.save_checkpoint(ckpt, tag="s")
     tail = train(engine, model, rank, world, run, range(2, 4))
     whole = result(model, {"losses": head["losses"] + tail["losses"]})
-    engine, model, _ = _build_bf16(world, run)
+    engine, model, _ = build_bf16(world, run, **ACCUM_FP32)
     engine.load_checkpoint(ckpt, tag="s")
     again = train(engine, model, rank, world, run, range(2, 4))
     return {"kind": kind, "norms": head["norms"], "whole": whole, "files": sorted(os.listdir(f"{ckpt}/s")),
