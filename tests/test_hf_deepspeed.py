@@ -18,22 +18,11 @@ pytest.importorskip("deepspeed")
 
 from tests._deepspeed import setup  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
+from tests._hf import PROJ, Tokens, llama_config  # noqa: E402
 
-VOCAB, SEQ, STEPS = 64, 16, 8
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STEPS = 8
 DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
       "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 def _gloo_state() -> None:
@@ -51,11 +40,10 @@ def _gloo_state() -> None:
 def _model(world: int, seed: int) -> torch.nn.Module:
     import dmuon
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+    model = LlamaForCausalLM(llama_config())
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), verbose=False,
                           predicate=lambda n, p: p.ndim == 2 and any(k in n for k in PROJ))
     return model
@@ -85,7 +73,7 @@ def _train(world: int, seed: int, out: str, resume: str | None, how: str) -> dic
     kw: dict[str, Any] = ({"optimizers": (dmuon.Muon(model, lr=0.02, adamw_lr=1e-3), None)} if how == "optimizers"
                           else {"optimizer_cls_and_kwargs": (dmuon.Muon, {"lr": 0.02, "adamw_lr": 1e-3})})
     record = Record()
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(64), callbacks=[record], **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64), callbacks=[record], **kw)
     trainer.train(resume_from_checkpoint=resume)
     muon = trainer._dmuon_optimizer
     return {"losses": record.losses, "lrs": record.lrs, "weights": dmuon.get_model_state_dict(model, rank0_only=True),
@@ -102,7 +90,7 @@ def _refused(world: int, out: str) -> str:
                              report_to="none", disable_tqdm=True, accelerator_config={"use_configured_state": True})
     other = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad][:1])
     try:
-        Trainer(model=model, args=args, train_dataset=_Tokens(8), optimizers=(other, None)).train()
+        Trainer(model=model, args=args, train_dataset=Tokens(8), optimizers=(other, None)).train()
     except ValueError as e:
         return str(e)
     return ""
