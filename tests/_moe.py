@@ -166,6 +166,32 @@ class MoERun:
     hp: MuonHParams = MUON_HP
 
 
+def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of an HF causal LM, in float32."""
+    return torch.nn.functional.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_hf_dedicated(model: nn.Module, mesh, rank: int, world: int, steps: int) -> tuple[dmuon.Muon, list[float]]:
+    """An HF MoE model already dedicated over ``mesh`` (``world`` ranks): FSDP2 per decoder layer then the root,
+    ``dmuon.Muon`` with the parity hyperparameters, ``steps`` steps of the shared batches split over the ranks.
+    Returns the optimizer and each step's loss averaged over the ranks."""
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, **muon_kwargs(MUON_HP))
+    per = GLOBAL_BATCH // world
+    losses = []
+    for tok, tgt in batches(steps):
+        opt.zero_grad()
+        loss = hf_loss(model, tok[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+        losses.append(logged.item())
+    return opt, losses
+
+
 def dedicate_moe(model: TinyMoE, mesh, run: MoERun, ep_mesh=None) -> None:
     """``dedicate_params`` for the MoE model, then FSDP2 per layer and on the root; with expert parallelism
     (``ep_mesh``: a 2-D ("dp", "ep") mesh) the experts are placed first and get their own FSDP2 unit over

@@ -45,7 +45,7 @@ transformers = pytest.importorskip("transformers")
 from examples.moe_dmuon import is_muon_matrix, row_blocks, tiny_config  # noqa: E402
 from tests._asserts import LOSS_RTOL, WEIGHT_RTOL, assert_bitwise, assert_close_to, worst_weight  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
-from tests._moe import per_matrix_oracle  # noqa: E402
+from tests._moe import hf_loss, per_matrix_oracle, train_hf_dedicated  # noqa: E402
 from tests._training import SEQ, batches  # noqa: E402
 
 STEPS = 10
@@ -95,10 +95,6 @@ def build(family: str) -> nn.Module:
     return model
 
 
-def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _blocks_of(family: str, ignore_blocks: bool = False):
     """The guide's row blocks for the ``[E, 2I, H]`` layout; none for GPT-OSS's ``[E, H, 2I]``."""
     return row_blocks if family == "qwen3_moe" and not ignore_blocks else None
@@ -122,33 +118,18 @@ WRONG = {"qwen3_fused_as_one": HFMoERun(ignore_blocks=True)}
 
 
 def train_hf_moe(rank: int, world: int, run: HFMoERun) -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     import dmuon
-    from tests._training import GLOBAL_BATCH, MUON_HP, full_weights, muon_kwargs
+    from tests._training import full_weights
 
     mesh = init_device_mesh("cpu", (world,))
     model = build(run.family)
     route = (lambda n, p: run.expert_route if p.ndim == 3 else None) if run.expert_route else None
     dmuon.dedicate_params(model, mesh, is_muon_matrix, blocks=_blocks_of(run.family, run.ignore_blocks),
                           route=route, verbose=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, **muon_kwargs(MUON_HP))
-    per = GLOBAL_BATCH // world
-    losses = []
-    for tok, tgt in batches(STEPS):
-        opt.zero_grad()
-        loss = hf_loss(model, tok[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        logged = loss.detach().clone()
-        dist.all_reduce(logged, op=dist.ReduceOp.AVG)
-        losses.append(logged.item())
+    opt, losses = train_hf_dedicated(model, mesh, rank, world, STEPS)
     muon = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.ndim == 3}
     return {"losses": losses, "weights": full_weights(model), "muon": muon | set(dmuon.get_dedicated_params(model)),
             "owned": sorted(dmuon.get_owned_params(model)),

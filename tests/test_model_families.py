@@ -36,8 +36,8 @@ transformers = pytest.importorskip("transformers")
 from dmuon.runtime.blocks import Blocks, Columns, Interleaved  # noqa: E402
 from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, worst_weight  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
-from tests._moe import block_index, per_matrix_oracle  # noqa: E402
-from tests._training import SEQ, batches  # noqa: E402
+from tests._moe import block_index, hf_loss, per_matrix_oracle, train_hf_dedicated  # noqa: E402
+from tests._training import SEQ  # noqa: E402
 
 STEPS = 3
 INIT = 0.1  # [Note: init scale] in tests/test_hf.py
@@ -114,10 +114,6 @@ def build(family: str) -> nn.Module:
     return model
 
 
-def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
-
-
 # --------------------------------------------------------------------------------------------------- #
 # The runs                                                                                             #
 # --------------------------------------------------------------------------------------------------- #
@@ -139,13 +135,11 @@ WRONG = {"gpt_oss_fused": FamilyRun("gpt_oss", gate_up="fused"),
 
 
 def train_family(rank: int, world: int, run: FamilyRun) -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import dmuon
     from dmuon.integrations.hf import matrix_blocks
-    from tests._training import GLOBAL_BATCH, MUON_HP, full_weights, muon_kwargs
+    from tests._training import full_weights
 
     mesh = init_device_mesh("cpu", (world,))
     model = build(run.family)
@@ -154,20 +148,7 @@ def train_family(rank: int, world: int, run: FamilyRun) -> dict:
     blocks = hf if run.gate_up == "hf" else (lambda n, p: wrong if n.endswith("gate_up_proj") else hf(n, p))
     route = (lambda n, p: run.expert_route if p.ndim == 3 else None) if run.expert_route else None
     dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route, verbose=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, **muon_kwargs(MUON_HP))
-    per = GLOBAL_BATCH // world
-    losses = []
-    for tok, tgt in batches(STEPS):
-        opt.zero_grad()
-        loss = hf_loss(model, tok[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        logged = loss.detach().clone()
-        dist.all_reduce(logged, op=dist.ReduceOp.AVG)
-        losses.append(logged.item())
+    opt, losses = train_hf_dedicated(model, mesh, rank, world, STEPS)
     return {"losses": losses, "weights": full_weights(model), "owned": sorted(dmuon.get_owned_params(model)),
             "ns_calls": [tuple(g["shape"]) for g in dmuon.diagnostics.ns_backends(opt)]}
 
