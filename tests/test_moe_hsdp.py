@@ -34,9 +34,12 @@ WORLD, REPLICAS = 4, 2
 EXPERT_SHAPES = {(MOE_CFG.expert_dim, MOE_CFG.dim), (MOE_CFG.dim, MOE_CFG.expert_dim)}
 
 
-def _train(rank: int, world: int, split: bool, algorithm: str) -> dict:
+def _train(rank: int, world: int, split: bool | str, algorithm: str) -> dict:
     saved = update_mod.orthogonalise, normuon_mod.orthogonalise
-    os.environ["LOCAL_WORLD_SIZE"] = str(world if split else REPLICAS)  # one node, or the rows on two nodes
+    # one node, or the rows on two nodes; "mixed": ranks 0-1 read one node, ranks 2-3 two (nodes of different
+    # sizes): each column's ranks would decide differently if each read its own value
+    nodes = {True: world, False: REPLICAS, "mixed": world if rank < world // 2 else REPLICAS}[split]
+    os.environ["LOCAL_WORLD_SIZE"] = str(nodes)
     try:
         return _train_with(rank, world, algorithm)
     finally:
@@ -81,8 +84,10 @@ def _train_with(rank: int, world: int, algorithm: str) -> dict:
 
 
 def _job(rank: int, world: int) -> dict:
-    return {(split, algorithm): _train(rank, world, split, algorithm)
+    runs = {(split, algorithm): _train(rank, world, split, algorithm)
             for algorithm in ("muon", "normuon") for split in (True, False)}
+    runs["mixed", "muon"] = _train(rank, world, "mixed", "muon")
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +99,15 @@ def runs() -> list[dict]:
 def test_split_equals_every_row_computing_its_copy_bitwise(runs, algorithm):
     for rank, r in enumerate(runs):
         assert_bitwise(r[True, algorithm], r[False, algorithm], f"rank {rank} {algorithm}")
+
+
+def test_ranks_that_read_different_node_sizes_all_keep_computing_their_copy(runs):
+    """The node layout is agreed in dedicate_params' gather: where ranks read different LOCAL_WORLD_SIZE values,
+    nobody splits (rather than some rows splitting and the others never joining their gather)."""
+    for rank, r in enumerate(runs):
+        assert_bitwise(r["mixed", "muon"], r[False, "muon"], f"rank {rank}")
+        assert r["mixed", "muon"]["ns_experts"] == r[False, "muon"]["ns_experts"], rank
+        assert all(c["calls"] == 0 for c in r["mixed", "muon"]["counts"]), (rank, r["mixed", "muon"]["counts"])
 
 
 def test_matches_per_expert_oracle(runs):

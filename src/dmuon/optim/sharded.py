@@ -28,7 +28,9 @@ the CPU), so the split changes which rank computes, not the bits. The gather car
 every rule split at its Newton-Schulz, and an unsplit state would differ between rows after a restart from a
 checkpoint of one of them. Split only where the param's replicate mesh dim is dmuon's replicate column (the
 mesh given to ``dedicate_params`` and ``fully_shard`` alike; expert parallelism's own meshes keep every row
-computing its copy) and that column sits in one node (torchrun's ``LOCAL_WORLD_SIZE``): the gather moves
+computing its copy) and that column sits in one node (torchrun's ``LOCAL_WORLD_SIZE``, read by every rank
+in ``dedicate_params``' grid gather and used only where all read the same: ``CommContext.ranks_per_node``,
+so every row decides alike): the gather moves
 twice the chunk, which NVLink carries in less time than the Newton-Schulz it saves, a network link in more
 (``python -m dmuon.plan --simulate``, Qwen3-30B-A3B on 8 x 8 HSDP, 4 x 2048 tokens: splitting across nodes
 would take the busiest rank's NS from 99 to 20 ms and add 254 ms of exposed gather).
@@ -36,7 +38,6 @@ would take the busiest rank's NS from 99 to 20 ms and add 254 ms of exposed gath
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,31 +101,10 @@ def materialise(p: DTensor, st: dict[str, Any], master_dtype: torch.dtype | None
     rule.init_state_(st, p, master_dtype_of(p, master_dtype) or p.dtype)
 
 
-#: (the job's ranks, this rank's ``LOCAL_WORLD_SIZE``) -> ranks per node agreed over the job (``None``: unknown, or
-#: not the same on every rank)
-_PER_NODE: dict[tuple[tuple[int, ...], int], int | None] = {}
-
-
-def _local_world_size() -> int:
-    try:
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return 0
-
-
-def _agree_per_node(ctx: C.CommContext) -> None:
-    """Agree on torchrun's ``LOCAL_WORLD_SIZE`` as every rank reads it, once per value: ranks that read different
-    values (nodes of different sizes) would split differently and hang in the gather, so then nobody splits.
-    Called by every rank at the same point (the top of :func:`step_params`)."""
-    key = (ctx.global_ranks, _local_world_size())
-    if key not in _PER_NODE:
-        _PER_NODE[key] = C.agreed_int(ctx, key[1]) or None
-
-
 def _one_node(ranks: tuple[int, ...], ctx: C.CommContext) -> bool:
-    """Whether ``ranks`` share a node by torchrun's numbering (``LOCAL_WORLD_SIZE`` consecutive ranks a node, the
-    same on every rank); unknown: no."""
-    per_node = _PER_NODE.get((ctx.global_ranks, _local_world_size()))
+    """Whether ``ranks`` share a node by torchrun's numbering (``ctx.ranks_per_node``, the same on every rank:
+    ranks that read different values would split differently and hang in the gather); unknown: no."""
+    per_node = ctx.ranks_per_node
     return per_node is not None and len({r // per_node for r in ranks}) == 1
 
 
@@ -156,8 +136,6 @@ def step_params(named: list[tuple[str, DTensor]], hp: MuonHParams, state: Mappin
     """Muon on every rank's whole matrices of the ``(fqn, param)`` of one param group: same local shape, dtypes
     and blocks batched into one Newton-Schulz call per run of blocks. ``ctx``: dmuon's groups; under HSDP the
     replicate rows split each chunk's experts and gather the results ([Note: expert NS across replicas])."""
-    if ctx is not None and ctx.replicate_size > 1:
-        _agree_per_node(ctx)
     batches: dict[tuple, list[tuple[DTensor, Tensor, Tensor, slice]]] = {}
     stepped: list[DTensor] = []
     split: list[tuple[Tensor, ...]] = []  # per split param: its value and state tensors, whole (what the rows gather)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,7 +30,7 @@ from .lifetime import track as _track
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
     "reduce_parts", "gather_shares", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max",
-    "all_gather_object", "broadcast_object", "grids_from_views", "agreed_int",
+    "all_gather_object", "broadcast_object", "grids_from_views",
 ]
 
 
@@ -136,6 +137,10 @@ class CommContext:
     groups: dict[Dim, dist.ProcessGroup | None]
     device: torch.device
     counter: CommCounter
+    #: ranks per node by torchrun's numbering (``LOCAL_WORLD_SIZE`` consecutive ranks a node), where every rank
+    #: of the job read the same value; ``None`` where unknown, not the same everywhere, or not needed (no
+    #: replicate dim). Learnt in :meth:`from_meshes`' gather.
+    ranks_per_node: int | None = None
 
     # -- geometry --------------------------------------------------------------------------------- #
     @property
@@ -208,10 +213,14 @@ class CommContext:
         # (the ranks whose shard and replicate meshes cover only part of the world). Every rank learns every grid, so that each creates every group
         # in the same order: new_group is collective over the default group.
         views: list[object] = [None] * dist.get_world_size()
+        per_node = None
         if len(row) * len(col) == dist.get_world_size() and replicate_mesh is None:
             views = [(r, row, (r,)) for r in row]  # plain data parallelism: nothing to gather
-        else:
-            dist.all_gather_object(views, (me, row, col))
+        else:  # the node layout rides along (the HSDP expert split reads it: [Note: expert NS across replicas])
+            dist.all_gather_object(views, ((me, row, col), _local_world_size()))
+            read = {v[1] for v in views}  # type: ignore[index]
+            per_node = read.pop() if len(read) == 1 else None  # every rank the same, or unknown
+            views = [v[0] for v in views]  # type: ignore[index]
         grids = grids_from_views(views)  # type: ignore[arg-type]
         groups: dict[Dim, dist.ProcessGroup | None] = {}
         mine: tuple[tuple[int, ...], ...] = ()
@@ -220,7 +229,7 @@ class CommContext:
             if made is not None:
                 mine, groups = grid, made
         r_idx = next(i for i, rr in enumerate(mine) if me in rr)
-        ctx = cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter)
+        ctx = cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter, per_node or None)
         _track(ctx)
         return ctx
 
@@ -296,6 +305,14 @@ def _grid_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) 
             "mesh['replicate'] of init_device_mesh(..., (R, S), mesh_dim_names=('replicate', 'shard'))."
         )
     return tuple(tuple(int(x) for x in row) for row in grid)  # type: ignore[arg-type]
+
+
+def _local_world_size() -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (0 where unset or unreadable)."""
+    try:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return 0
 
 
 def _user_timeout(device: torch.device) -> timedelta | None:
@@ -507,13 +524,6 @@ def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_job_group(ctx))
     n = value.numel()
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
-
-
-def agreed_int(ctx: CommContext, value: int) -> int | None:
-    """``value`` where every rank of the job passed the same one, else ``None``: one all-reduce of two numbers
-    (a host read; for a setting read from each rank's environment, once). Not counted."""
-    both = all_reduce_max(ctx, torch.tensor([float(value), -float(value)], device=ctx.device)).tolist()
-    return value if both[0] == -both[1] else None
 
 
 def all_gather_default(obj: object) -> list[object]:
