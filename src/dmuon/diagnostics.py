@@ -33,6 +33,7 @@ import torch.nn as nn
 from .optim.groups import canonical_name
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
+from .optim.routes.sharded import layouts as sharded_layouts
 from .optim.tp_update import exchange_cost
 from .partition import ns_cost, shard_ns_cost
 from .runtime.blocks import Blocks
@@ -109,9 +110,9 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
     ``dmuon/runtime/blocks.py``), the engine's shards of ``muon_sharded`` params included. A tensor-parallel
     shape group runs NS on the full matrices dealt to this tp rank ([Note: TP update] in
     ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
-    state = optimizer._dmuon_state
+    state = optimizer.runtime
     dps = {id(dp.param): dp for dp in state.dedicated()}
-    layouts = optimizer._layouts(state)
+    layouts = sharded_layouts(state)
     out = []
     for group in optimizer.param_groups:
         if group["kind"] != "muon":
