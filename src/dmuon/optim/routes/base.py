@@ -7,7 +7,8 @@ batches of experts left on the engine's dim-0 shards (``sharded.py``). What a ro
 its strategy alone, as ``engines/`` answers what an engine means:
 
 * where its Newton-Schulz runs and its update (:meth:`RouteStrategy.update_`, one call per param group
-  with this rank's members of the route, in the group's order);
+  with this rank's members of the route, in the group's order; :meth:`RouteStrategy.ns_batch` and
+  :meth:`RouteStrategy.ns_work` tell ``dmuon.diagnostics`` what that costs this rank);
 * its state layout: the zero state a first step makes (:meth:`RouteStrategy.materialise_`) and the state keys
   and dtypes it keeps (:meth:`RouteStrategy.state_dtypes`);
 * its checkpoint view: whether its state lives on the owner or on every rank (:attr:`RouteStrategy.on_owner`)
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ...runtime.blocks import Blocks
 from ...runtime.hooks import DMuonState
 from ...runtime.param import DedicatedParam
 from ..rules import UpdateRule
@@ -85,4 +87,15 @@ class RouteStrategy(Protocol):
     def laid_out_like(self, member: Member, key: str) -> Tensor | None:
         """The DTensor state ``key`` is laid out like in a checkpoint (its shards are this rank's part; a
         full dict gathers them); ``None`` where the owner keeps it whole."""
+        ...
+
+    def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
+        """For diagnostics: the matrices of ``member`` whose Newton-Schulz this rank's step takes part in (their
+        ``Blocks``) and a key of how the route splits that work (``None``: this rank runs all of it); ``None``:
+        no Newton-Schulz here (an empty chunk)."""
+        ...
+
+    def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
+        """For diagnostics: of ``n`` members with one ``ns_batch``, how many matrices this rank orthogonalises
+        and how many elements it sends for that."""
         ...

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ...runtime.blocks import Blocks
+from ...runtime.hooks import DMuonState
 from ...runtime.param import DedicatedParam, local
 from ...runtime.precision import is_wider
 from ...runtime.route import Route
@@ -117,3 +118,9 @@ class Owner:
 
     def laid_out_like(self, member: Member, key: str) -> Tensor | None:
         return None  # whole on the owner
+
+    def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
+        return member.dp.blocks, None  # type: ignore[union-attr]
+
+    def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
+        return n, 0

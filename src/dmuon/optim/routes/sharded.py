@@ -224,3 +224,11 @@ class Sharded:
     def laid_out_like(self, member: Member, key: str) -> Tensor | None:
         """The param, or for a per-row state (NorMuon's ``[E, m, 1]``) ``param[..., :1]``'s layout."""
         return member.param.detach()[..., :1] if key in PER_ROW_KEYS else member.param
+
+    def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
+        """This rank's whole matrices of the batch (none in an empty chunk)."""
+        shape = tuple(member.param.to_local().shape)  # type: ignore[attr-defined]
+        return (Blocks.of(shape, layouts(runtime)[member.name].spec), None) if shape[0] else None
+
+    def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
+        return n, 0

@@ -11,14 +11,17 @@ out like the param (a DTensor over "tp": full dicts gather it, loads slice it), 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import Tensor
 
 from ...runtime import comm as C
 from ...runtime.blocks import Blocks
+from ...runtime.hooks import DMuonState
 from ...runtime.param import DedicatedParam
 from ..rules import PER_ROW_KEYS, UpdateRule
+from ..tp_update import exchange_cost
 from ..update import MuonHParams
 from .base import Member, StepContext
 from .owner import Owner
@@ -46,3 +49,11 @@ class TensorParallel(Owner):
 
     def laid_out_like(self, member: Member, key: str) -> Tensor | None:
         return None if key in PER_ROW_KEYS else member.dp.bound()  # type: ignore[union-attr]
+
+    def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
+        dp = member.dp
+        return dp.blocks, (dp.tp_dim, math.prod(dp.shape))  # type: ignore[union-attr]
+
+    def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
+        """The full matrices dealt to this tp rank, and its shards of the others' sent over "tp" and back."""
+        return exchange_cost(n, split[1], tp_rank=runtime.tp_mesh.get_local_rank(), tp_size=runtime.tp_mesh.size())
