@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ...runtime.blocks import Blocks
+from ...runtime.errors import raise_internal
 from ...runtime.hooks import DMuonState
 from ...runtime.param import DedicatedParam
 from ..rules import UpdateRule
@@ -60,6 +61,13 @@ class Member:
     name: str
     param: Tensor
     dp: DedicatedParam | None
+
+    @property
+    def dedicated(self) -> DedicatedParam:
+        """Its ``DedicatedParam``, for the routes with an owner (an internal error on the engine's shards)."""
+        if self.dp is None:
+            raise_internal(f"{self.name} has no owner: it lives on the engine's shards")
+        return self.dp
 
 
 class RouteStrategy(Protocol):

@@ -75,24 +75,24 @@ class Owner:
     def update_(self, ctx: StepContext, members: Sequence[Member], hp: MuonHParams, rule: UpdateRule) -> None:
         """Same-layout matrices this rank owns go through Newton-Schulz as one batch."""
         by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
-        dps = {id(m.param): m.dp for m in members}
+        dps = {id(m.param): m.dedicated for m in members}
         for m in members:
-            dp = m.dp
-            grad = dp.reduced_grad()  # type: ignore[union-attr]
+            dp = m.dedicated
+            grad = dp.reduced_grad()
             if grad is None:
                 continue
-            target = update_target(ctx, dp)  # type: ignore[arg-type]  # p itself unless it has a master
+            target = update_target(ctx, dp)  # p itself unless it has a master
             grad = grad.to(target.dtype)  # a no-op without mixed precision
-            rule.init_state_(ctx.state[m.param], grad, target.dtype, full_rows=self.full_rows(dp))  # type: ignore[arg-type]
+            rule.init_state_(ctx.state[m.param], grad, target.dtype, full_rows=self.full_rows(dp))
             # same layout: one Newton-Schulz call per run of blocks ([Note: matrix blocks])
-            key = (tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape, dp.blocks)  # type: ignore[union-attr]
+            key = (tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape, dp.blocks)
             by_shape.setdefault(key, []).append((m.param, target, grad))
         for (_, _, _, tp_dim, full_shape, blocks), items in by_shape.items():
             self._update_batch(ctx, ([t for _, t, _ in items], [g for _, _, g in items],
                                      [ctx.state[p] for p, _, _ in items], hp), rule, blocks, tp_dim, full_shape)
             for p, target, _ in items:
                 if target is not local(p):  # a master (a tensor-parallel shard is updated in place)
-                    dps[id(p)].write_back(target)  # type: ignore[union-attr]  # round into the compute copy
+                    dps[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts
 
     def _update_batch(self, ctx: StepContext, args: tuple[list[Tensor], list[Tensor], list[Any], MuonHParams],
                       rule: UpdateRule, blocks: Blocks, tp_dim: int | None, full_shape: Any) -> None:
@@ -100,18 +100,17 @@ class Owner:
         rule.update_(*args, blocks)
 
     def materialise_(self, ctx: StepContext, member: Member, rule: UpdateRule) -> None:
-        dp = member.dp
-        p = dp.bound()  # type: ignore[union-attr]
+        dp = member.dedicated
+        p = dp.bound()
         if "momentum_buffer" not in ctx.state[p]:
-            update_target(ctx, dp)  # type: ignore[arg-type]  # creates a master_dtype master, as a first step does
-        rule.init_state_(ctx.state[p], local(p), update_dtype(dp, ctx.master_dtype),  # type: ignore[arg-type]
-                         full_rows=self.full_rows(dp))  # type: ignore[arg-type]
+            update_target(ctx, dp)  # creates a master_dtype master from the param, as a first step does
+        rule.init_state_(ctx.state[p], local(p), update_dtype(dp, ctx.master_dtype), full_rows=self.full_rows(dp))
 
     def state_dtypes(self, member: Member, rule: UpdateRule, *, master_dtype: torch.dtype | None
                      ) -> dict[str, torch.dtype]:
-        dp = member.dp
-        out = rule.state_dtypes(update_dtype(dp, master_dtype))  # type: ignore[arg-type]
-        master = master_dtype_of(dp, master_dtype)  # type: ignore[arg-type]
+        dp = member.dedicated
+        out = rule.state_dtypes(update_dtype(dp, master_dtype))
+        master = master_dtype_of(dp, master_dtype)
         if master is not None:
             out["master"] = master
         return out
@@ -120,7 +119,7 @@ class Owner:
         return None  # whole on the owner
 
     def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
-        return member.dp.blocks, None  # type: ignore[union-attr]
+        return member.dedicated.blocks, None
 
     def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
         return n, 0

@@ -48,11 +48,11 @@ class TensorParallel(Owner):
                         exchange=lambda *a: C.tp_exchange(state.ctx, *a, group=tp_group))
 
     def laid_out_like(self, member: Member, key: str) -> Tensor | None:
-        return None if key in PER_ROW_KEYS else member.dp.bound()  # type: ignore[union-attr]
+        return None if key in PER_ROW_KEYS else member.dedicated.bound()
 
     def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
-        dp = member.dp
-        return dp.blocks, (dp.tp_dim, math.prod(dp.shape))  # type: ignore[union-attr]
+        dp = member.dedicated
+        return dp.blocks, (dp.tp_dim, math.prod(dp.shape))
 
     def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
         """The full matrices dealt to this tp rank, and its shards of the others' sent over "tp" and back."""
