@@ -168,3 +168,31 @@ def test_readme_layout_table_matches_the_tree():
     stale = sorted(n for n in named if not (SRC / n).exists())
     assert not missing, f"README's Layout table does not name {missing}"
     assert not stale, f"README's Layout table names paths that do not exist: {stale}"
+
+
+def _private_members(path: Path, cls: str) -> set[str]:
+    """The private names class ``cls`` of ``path`` defines: its ``_methods`` and the ``self._attrs`` it sets."""
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    names = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_muon_is_reached_through_its_public_surface():
+    """Checkpoints, diagnostics, engines and integrations use ``dmuon.Muon``'s public members (``runtime``,
+    ``materialise_state``, ``replace_state``, ``group_fqns``, ...), never a private one: nothing outside
+    ``dmuon/optim/muon.py`` reads an attribute named like a private member of ``Muon`` on anything but its
+    own ``self`` / ``cls``."""
+    home = PKG / "optim" / "muon.py"
+    private = _private_members(home, "Muon")
+    bad = []
+    for name, path in _modules().items():
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                bad.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not bad, f"private members of dmuon.Muon read outside dmuon/optim/muon.py: {bad}"

@@ -1,5 +1,5 @@
 """Experts on the engine's shards under HSDP (2 x 2 on 4 gloo ranks): the replicate rows split each chunk's
-Newton-Schulz and gather the results ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``).
+Newton-Schulz and gather the results ([Note: expert NS across replicas] in ``dmuon/optim/routes/sharded.py``).
 
 The split runs where a shard column sits in one node (torchrun's ``LOCAL_WORLD_SIZE``; set here as torchrun
 would): with 4 ranks a node it splits, with 2 a node the column's rows are on two nodes and every row computes

@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +32,8 @@ import torch.nn as nn
 from .optim.groups import canonical_name
 from .optim.muon import Muon
 from .optim.newton_schulz import explain
-from .optim.tp_update import exchange_cost
+from .optim import routes
 from .partition import ns_cost, shard_ns_cost
-from .runtime.blocks import Blocks
 from .runtime.route import Route
 from .runtime.comm import CommCounter, CommKind, all_gather_object
 from .engines import state_of as get_state
@@ -109,31 +107,26 @@ def _ns_calls(optimizer: Muon) -> list[tuple[int, tuple[int, ...], str, torch.de
     ``dmuon/runtime/blocks.py``), the engine's shards of ``muon_sharded`` params included. A tensor-parallel
     shape group runs NS on the full matrices dealt to this tp rank ([Note: TP update] in
     ``dmuon/optim/tp_update.py``) and sends the rest of its shards over "tp"."""
-    state = optimizer._dmuon_state
+    state = optimizer.runtime
     dps = {id(dp.param): dp for dp in state.dedicated()}
-    layouts = optimizer._layouts(state)
     out = []
     for group in optimizer.param_groups:
         if group["kind"] != "muon":
             continue
         counts: dict[tuple, int] = {}
+        how: dict[tuple, routes.RouteStrategy] = {}  # each key's route ([Note: route strategies])
         device = torch.device("cpu")
         for p, name in zip(group["params"], group["param_names"]):
             dp = dps.get(id(p))
-            if dp is None:  # on the engine's shards: this rank's whole matrices
-                shape = tuple(p.to_local().shape)
-                if not shape[0]:
-                    continue
-                key = (Blocks.of(shape, layouts[canonical_name(name)].spec), None)
-            else:
-                key = (dp.blocks, (dp.tp_dim, math.prod(dp.shape)) if dp.tp_dim is not None else None)
+            route = routes.of(dp)
+            key = route.ns_batch(state, routes.Member(canonical_name(name), p, dp))
+            if key is None:
+                continue
             counts[key] = counts.get(key, 0) + 1
+            how.setdefault(key, route)
             device = p.device
-        for (blocks, tp), n in sorted(counts.items(), key=lambda kv: (kv[0][0].shape, kv[0][0].rows)):
-            mine, sent = n, 0
-            if tp is not None:
-                mine, sent = exchange_cost(n, tp[1], tp_rank=state.tp_mesh.get_local_rank(),
-                                           tp_size=state.tp_mesh.size())
+        for (blocks, split), n in sorted(counts.items(), key=lambda kv: (kv[0][0].shape, kv[0][0].rows)):
+            mine, sent = how[(blocks, split)].ns_work(state, n, split)
             for run in blocks.runs:
                 batch = mine * blocks.batch * run.count
                 out.append((batch, blocks.run_shape(run), group["ns_backend"], device, sent))

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..optim import Muon
 from ..optim.rules import PER_ROW_KEYS, UpdateRule, rule_of
-from ..optim.sharded import master_dtype_of
+from ..optim import routes
 from ..engines import Engine
 from ..engines import state_of as get_state
 from ..runtime import comm as C
@@ -53,9 +53,9 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> DMuo
     if not isinstance(optimizer, Muon):
         raise TypeError(f"dmuon optimizer state dicts need a dmuon.Muon, got {type(optimizer).__name__}")
     state = get_state(model)
-    if optimizer._dmuon_state is not state:
+    if optimizer.runtime is not state:
         raise ValueError("dmuon: this optimizer was built for a different model.")
-    optimizer._check_engine_since_build()
+    optimizer.check_engine()
     return state
 
 
@@ -93,20 +93,20 @@ _OWNER_KINDS = ("muon", "adamw_owned")
 
 def _engine(optimizer: Any) -> Engine:
     """The engine binding of the optimizer's model (``dmuon.Muon`` binds one when it is built)."""
-    bound = optimizer._dmuon_state.engine
-    return bound if isinstance(bound, Engine) else Engine(optimizer._dmuon_state.model, optimizer._dmuon_state)
+    bound = optimizer.runtime.engine
+    return bound if isinstance(bound, Engine) else Engine(optimizer.runtime.model, optimizer.runtime)
 
 
 def _every_rank_params(optimizer: Any) -> list[tuple[str, nn.Parameter, dict]]:
     """The params every rank keeps state for, with their groups: AdamW's (FSDP2 shards and plain params: the
-    engine's, [Note: engines]) and the Muon params on the engine's shards (``Route.MUON_SHARDED``), whose state
-    is laid out like the param."""
-    sharded = set(optimizer._layouts(optimizer._dmuon_state))
+    engine's, [Note: engines]) and the Muon params of a route whose state is not on an owner (the engine's
+    shards, laid out like the param: [Note: route strategies])."""
     engine = _engine(optimizer)
     out: list[tuple[str, nn.Parameter, dict]] = []
     for g in optimizer.param_groups:
-        if g["kind"] == "muon":
-            out += [(name, p, g) for p, name in zip(g["params"], g["param_names"]) if name in sharded]
+        if g["kind"] == "muon":  # (no owned params passed: only the routes without an owner)
+            out += [(m.name, m.param, g) for route, ms in routes.members(g, optimizer.runtime, owned={})
+                    if not route.on_owner for m in ms]
         elif g["kind"] not in _OWNER_KINDS:
             out += engine.group_params(optimizer, g)
     return out
@@ -124,13 +124,17 @@ def _every_rank_state(optimizer: Any) -> dict[str, tuple[nn.Parameter, dict[str,
     return out
 
 
+def _every_rank_route(group: dict) -> routes.RouteStrategy | None:
+    """The Muon route of an every-rank param of ``group`` (the engine's shards); ``None`` for AdamW's."""
+    return routes.SHARDED if group["kind"] == "muon" else None
+
+
 def _state_dtypes(opt: Any, name: str, p: torch.Tensor, group: dict) -> dict[str, torch.dtype] | None:
-    """The state keys and dtypes of an every-rank param that Muon updates on the engine's shards (its update
-    rule's state, and a ``master_dtype`` master); ``None`` for AdamW's (its moments take the param's dtype)."""
-    if name not in opt._layouts(opt._dmuon_state):
-        return None
-    master = master_dtype_of(p, opt.master_dtype)
-    return {**rule_of(group).state_dtypes(master or p.dtype), **({"master": master} if master is not None else {})}
+    """The state keys and dtypes of an every-rank param that Muon updates (its route's: the update rule's state,
+    and a ``master_dtype`` master); ``None`` for AdamW's (its moments take the param's dtype)."""
+    route = _every_rank_route(group)
+    return None if route is None else route.state_dtypes(routes.Member(name, p, None), rule_of(group),
+                                                         master_dtype=opt.master_dtype)
 
 
 def _rules(opt: Any) -> dict[str, UpdateRule]:
@@ -139,10 +143,11 @@ def _rules(opt: Any) -> dict[str, UpdateRule]:
             for n in names}
 
 
-def _per_row(dp: DedicatedParam, key: str) -> bool:
-    """A tensor-parallel matrix's per-row state (NorMuon's second moment): whole on every tp rank of the owner
-    slot, so it moves like a dedicated tensor without TP (no gather or split over "tp")."""
-    return dp.tp_dim is not None and key in PER_ROW_KEYS
+def _layout(dp: DedicatedParam, key: str) -> torch.Tensor | None:
+    """What state ``key`` of a dedicated ``dp`` is laid out like, as its route says ([Note: route strategies]):
+    a tensor-parallel matrix's shards are the param's (gathered over "tp" in full dicts, sliced on loads);
+    ``None``: whole on the owner (a TP matrix's per-row state too, the same on every tp rank)."""
+    return routes.of(dp).laid_out_like(routes.Member(dp.fqn, dp.bound(), dp), key)
 
 
 def _state_shape(full_shape: tuple[int, ...], key: str) -> tuple[int, ...]:
@@ -177,7 +182,7 @@ def get_optimizer_state_dict(
     prepare(model)
     ctx = state.ctx
     if sharded:
-        optimizer._materialise_state()
+        optimizer.materialise_state()
     opt: Any = optimizer
     owned_meta = {
         dp.fqn: [(k, tuple(v.shape), v.dtype) for k, v in sorted(opt.state[dp.param].items())]
@@ -205,11 +210,12 @@ def get_optimizer_state_dict(
             mine = dp.owner == ctx.rank
             if sharded:
                 if mine:
-                    st = {k: v if _per_row(dp, k) else laid_out_like(v, dp.bound()) for k, v in opt.state[dp.param].items()}
+                    st = {k: v if (like := _layout(dp, k)) is None else laid_out_like(v, like)
+                          for k, v in opt.state[dp.param].items()}
                     out_state[dp.fqn] = {k: stage_copy(v, cpu_offload) for k, v in st.items()} if staged else st
                 continue
             out_state[dp.fqn] = {
-                k: finish((_bcast_rows if _per_row(dp, k) else bcast_from_owner)(
+                k: finish((_bcast_whole if _layout(dp, k) is None else bcast_from_owner)(
                     state, dp, opt.state[dp.param][k] if mine else None, torch.Size(shape), dtype, f"{dp.fqn}.{k}"))
                 for k, shape, dtype in muon_meta[dp.fqn]
             }
@@ -266,14 +272,13 @@ def _state_checksums(opt: Any, state: DMuonState, muon_meta: dict[str, list],
 def _item(dp: DedicatedParam, key: str) -> Item:
     """A dedicated param's state tensor counts on its owner (a TP matrix's per shard, laid out like it; its
     per-row state, whole on each tp rank, on tp index 0)."""
-    return Item(key, dp.owner, dp.bound() if dp.tp_dim is not None and not _per_row(dp, key.rsplit(".", 1)[1])
-                else None)
+    return Item(key, dp.owner, _layout(dp, key.rsplit(".", 1)[1]))
 
 
-def _bcast_rows(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | None, shape: torch.Size,
-                dtype: torch.dtype, label: str) -> torch.Tensor:
-    """A TP matrix's per-row state whole on every rank from its owner (each tp index's row moves its own copy,
-    the same on all: nothing to gather over "tp"). Collective."""
+def _bcast_whole(state: DMuonState, dp: DedicatedParam, value: torch.Tensor | None, shape: torch.Size,
+                 dtype: torch.dtype, label: str) -> torch.Tensor:
+    """A state tensor the owner keeps whole, on every rank from its owner (under TP each tp index's row moves
+    its own copy, the same on all: nothing to gather over "tp"). Collective."""
     ctx = state.ctx
     buf = value.detach().to(ctx.device, copy=True) if dp.owner == ctx.rank else torch.empty(shape, dtype=dtype,
                                                                                          device=ctx.device)
@@ -351,11 +356,8 @@ def _muon_state_dtypes(opt: Any, dp: DedicatedParam, rules: dict[str, UpdateRule
     if dp.route is Route.ADAMW_OWNER:
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         return {"step": scalar, "exp_avg": dp.dtype, "exp_avg_sq": dp.dtype}
-    out = (rules if rules is not None else _rules(opt))[dp.fqn].state_dtypes(opt.update_dtype(dp))
-    master = opt.state_master_dtype(dp)
-    if master is not None:
-        out["master"] = master
-    return out
+    rule = (rules if rules is not None else _rules(opt))[dp.fqn]
+    return routes.of(dp).state_dtypes(routes.Member(dp.fqn, dp.bound(), dp), rule, master_dtype=opt.master_dtype)
 
 
 @dataclass(frozen=True)
@@ -391,7 +393,7 @@ def apply_optim_sd(load: OptimLoad) -> None:
         new_state = _muon_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state)
         every = _adamw_state_to_load(load.opt, load.state, load.mode, load.structure, load.local_state)
         new_state.update(_engine(load.opt).load_optimizer_state(load.opt, every))  # under DeepSpeed: into ZeRO
-    load.opt._replace_state(new_state, load.groups)
+    load.opt.replace_state(new_state, load.groups)
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
@@ -521,10 +523,11 @@ def _state_device(p: torch.Tensor, group: Mapping[str, Any], key: str) -> torch.
 
 def _shard(dp: DedicatedParam, v: Any, key: str) -> Any:
     """What the owner keeps of an incoming state tensor ``key``: a TP matrix's shard, anything else (a TP
-    matrix's per-row state too) whole."""
-    if dp.tp_dim is None or not isinstance(v, torch.Tensor) or _per_row(dp, key):
+    matrix's per-row state too) whole (its route's layout)."""
+    like = _layout(dp, key)
+    if like is None or not isinstance(v, torch.Tensor):
         return v
-    return tp_local(v, dp.bound())  # type: ignore[arg-type]
+    return tp_local(v, like)  # type: ignore[arg-type]
 
 
 def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: dict | None,
@@ -549,7 +552,8 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
                 st[k] = v.detach().to(_state_device(p, g, k), copy=True)
             elif isinstance(p, DTensor):
                 dtype = (_state_dtypes(opt, name, p, g) or {}).get(k)  # a Muon master / momentum may be wider
-                like = _rows_like(p) if k in PER_ROW_KEYS else p  # NorMuon's second moment: [E, m, 1]
+                route = _every_rank_route(g)  # a Muon route's layout (NorMuon's second moment: [E, m, 1])
+                like = p if route is None else route.laid_out_like(routes.Member(name, p, None), k)
                 if isinstance(v, DTensor):
                     st[k] = _adopt_dtensor(v, like)
                 else:
@@ -560,11 +564,6 @@ def _adamw_state_to_load(opt: Muon, state: DMuonState, mode: Mode, structure: di
                 st[k] = v.detach().to(p.device, copy=True)
         new_state[p] = st
     return new_state
-
-
-def _rows_like(p: DTensor) -> DTensor:
-    """A DTensor laid out like ``p`` (placements along dim 0) with one value per row: ``p[..., :1]``'s layout."""
-    return p.detach()[..., :1]
 
 
 def _adopt_dtensor(v: DTensor, p: DTensor) -> DTensor:

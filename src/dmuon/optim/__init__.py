@@ -1,8 +1,9 @@
 """The optimizer: ``dmuon.Muon`` (``muon.py``), its update rules (``rules.py``: Muon's in ``update.py``, with the
 per-matrix pieces every rule shares and the hyperparameter records; NorMuon's in ``normuon.py``; their
 single-process oracles ``*_reference.py``), Newton–Schulz (``newton_schulz.py``) and its Triton kernel for
-symmetric products (``_symmetric.py``), and MuonClip's QK-clip (``qk_clip.py``). Everything but ``muon.py`` and
-``qk_clip.py`` is pure tensor math, testable on one CPU."""
+symmetric products (``_symmetric.py``), MuonClip's QK-clip (``qk_clip.py``), and what each Muon route means
+(``routes/``: one strategy per route, [Note: route strategies]). Everything but ``muon.py``, ``qk_clip.py`` and
+``routes/`` is pure tensor math, testable on one CPU."""
 
 from .muon import Muon
 from .normuon import NorMuonHParams, normuon_update_batch_

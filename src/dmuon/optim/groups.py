@@ -17,7 +17,7 @@ constructor's defaults: Muon for the dedicated matrices, AdamW for the rest.
 [Note: group layout] ``Muon.param_groups`` are real torch groups, but torch's foreach kernels refuse a
 list that mixes DTensors with plain tensors, and a Muon group holds only the matrices this rank owns.
 So each user group becomes one internal group (``kind="muon"``: the matrices this rank owns and the
-params Muon updates on the engine's shards, [Note: Muon on the engine's shards] in ``sharded.py``; Muon
+params Muon updates on the engine's shards, [Note: Muon on the engine's shards] in ``routes/sharded.py``; Muon
 steps param by param, so the mix is no trouble, and the layout does not depend on the route, which may
 differ between world sizes) or two (``"adamw"``: FSDP2 shards, ``"adamw_replicated"``: plain params),
 every internal group carrying the user group's ``name``; then come the default groups. Without user groups that is the layout dmuon always had

@@ -30,11 +30,11 @@ from torch import Tensor
 from .. import engines
 from ..runtime import comm as C
 from ..runtime.hooks import DMuonState
-from ..runtime.param import DedicatedParam, local
-from ..runtime.precision import is_wider
+from ..runtime.param import DedicatedParam
 from ..runtime.route import Route
 from .newton_schulz import DEFAULT_EPS, DEFAULT_NS_STEPS, KELLER_JORDAN_COEFFICIENTS, Coefficients
-from . import sharded as engine_muon
+from . import routes
+from .routes import owner as owner_route, sharded as engine_muon
 from .groups import ResolvedGroup, agree, canonical_name, check_settings, groups_view, resolve_groups, torch_groups
 from .qk_clip import QKClip, QKClipper, agreement_view, clip_layout
 from .rules import hparams_of, rule_of
@@ -239,7 +239,7 @@ class Muon(torch.optim.Optimizer):
         #: See ``master_dtype`` above; fixed for the optimizer's lifetime (not a param-group setting).
         self.master_dtype: torch.dtype | None = master_dtype
         self._generation = state.generation
-        #: The engine bound at build; checked until the first step (see :meth:`_check_engine_since_build`).
+        #: The engine bound at build; checked until the first step (see :meth:`check_engine`).
         self._engine_at_build = engine
         #: ``Route.MUON_SHARDED`` params: the version each one's master last agreed with, by ``id(param)``
         self._sharded_seen: dict[int, int] = {}
@@ -312,18 +312,8 @@ class Muon(torch.optim.Optimizer):
                 out.append((g, names))
         return out
 
-    @staticmethod
-    def _layouts(state: DMuonState) -> dict[str, Any]:
-        """The matrices of each ``Route.MUON_SHARDED`` param, by canonical FQN."""
-        return {canonical_name(fqn): blocks for fqn, blocks in state.sharded_muon.items()}
-
-    def _sharded_in(self, group: Mapping[str, Any]) -> list[tuple[str, Any]]:
-        """``(fqn, param)`` of a Muon group's params on the engine's shards (every rank holds them all)."""
-        layouts = self._layouts(self._dmuon_state)
-        return [(n, p) for n, p in zip(group["param_names"], group["params"]) if n in layouts]
-
     def _check_sharded(self, groups: Sequence[Mapping[str, Any]], state: DMuonState) -> None:
-        layouts = self._layouts(state)
+        layouts = engine_muon.layouts(state)
         engine_muon.check_sharded_params({n: p for g in groups if g["kind"] == "muon"
                                           for n, p in zip(g["param_names"], g["params"]) if n in layouts}, layouts)
 
@@ -369,66 +359,87 @@ class Muon(torch.optim.Optimizer):
     def state_master_dtype(self, dp: DedicatedParam) -> torch.dtype | None:
         """Dtype of the optimizer-state ``"master"`` of ``dp`` (``None``: it has none). Same on every rank.
         AdamW params (``adamw_owner`` ones too) have none: ``master_dtype`` is Muon's."""
-        # param_dtype: its own value is the master (a tensor-parallel shard's master is its local shard's)
-        if self.master_dtype is None or dp.compute_dtype != dp.dtype or dp.route is not Route.MUON:
-            return None
-        return self.master_dtype if is_wider(self.master_dtype, dp.dtype) else None
+        return owner_route.master_dtype_of(dp, self.master_dtype)
 
     def update_dtype(self, dp: DedicatedParam) -> torch.dtype:
         """The dtype Muon updates ``dp`` in, and keeps its momentum in. Same on every rank."""
-        master = self.state_master_dtype(dp)
-        return master if master is not None else dp.dtype
+        return owner_route.update_dtype(dp, self.master_dtype)
 
-    def _update_target(self, dp: DedicatedParam) -> Tensor:
-        """Owner: the tensor Muon updates for ``dp``: its master (created or refreshed here) or the param
-        (a tensor-parallel param's local shard)."""
-        p = dp.bound()
-        value = local(p)  # a tensor-parallel param's shard
-        if dp.master is not None:
-            dp.refresh_master()
-            return dp.master
-        dtype = self.state_master_dtype(dp)
-        if dtype is None:
-            return value  # type: ignore[return-value]
-        st = self.state[p]
-        if "master" not in st:
-            st["master"] = value.detach().to(dtype, memory_format=torch.preserve_format, copy=True)
-            dp.master_made_from_param()
-        else:
-            dp.refresh_master(st["master"])
-        return st["master"]
+    def _routes(self) -> routes.StepContext:
+        """What the routes read and write of this optimizer ([Note: route strategies]); ``self.state`` is a new
+        dict after ``load_state_dict``, so made afresh for each use."""
+        return routes.StepContext(self._dmuon_state, self.state, self.master_dtype, self._sharded_seen)
 
-    def _check_engine_since_build(self) -> None:
+    # ------------------------------------------------------------------ #
+    # The surface checkpoints, diagnostics and engine glue use             #
+    # ------------------------------------------------------------------ #
+    @property
+    def runtime(self) -> DMuonState:
+        """The dmuon runtime of the model this optimizer was built for (read-only: ``dedicate_params`` built it,
+        its own methods change it). Checkpoints, diagnostics and the engine glue check and read it here.
+
+        Example::
+
+            assert optimizer.runtime.model is model  # built for this model
+        """
+        return self._dmuon_state
+
+    def check_engine(self) -> None:
         """Until the first step: refuse a model that ``fully_shard`` wrapped after this optimizer was built.
         ``fully_shard`` swaps the model's other params for DTensors, so the AdamW groups would hold stale
         objects and the embedding, norms and head would never train. (Re-resolving the params here instead
-        is unsafe: while FSDP2 holds a module unsharded, the module lists its unsharded params.)"""
+        is unsafe: while FSDP2 holds a module unsharded, the module lists its unsharded params.) Local.
+
+        Example (what the state-dict functions run first)::
+
+            optimizer.check_engine()  # raises if fully_shard wrapped the model after dmuon.Muon was built
+        """
         if self._check_pending:
             engines.check_unchanged(self._engine_at_build)
 
-    @staticmethod
-    def _rows(dp: DedicatedParam) -> int | None:
-        """A tensor-parallel matrix's full row count (its per-row state is whole on every tp rank), else None."""
-        return None if dp.tp_dim is None else dp.full_shape[0]  # type: ignore[index]
+    @property
+    def adamw_kernels(self) -> dict[str, bool | None]:
+        """The ``foreach`` / ``fused`` choices of this optimizer's AdamW, for an engine's own AdamW over its groups.
+
+        Example::
+
+            facade = torch.optim.AdamW(groups, **optimizer.adamw_kernels)
+        """
+        return {k: self._adamw.defaults.get(k) for k in ("foreach", "fused")}
+
+    def leave_adamw_to_engine(self) -> None:
+        """From now on this optimizer's AdamW steps only the owners' ``adamw_owned`` groups: an engine that steps
+        the groups of the params it trains itself (DeepSpeed's ZeRO, [Note: DeepSpeed step]) calls it once.
+
+        Example (dmuon's DeepSpeed glue, once ``deepspeed.initialize`` built the engine)::
+
+            optimizer.leave_adamw_to_engine()
+        """
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw_owned"]
 
     def _owned(self) -> dict[int, DedicatedParam]:
         return {id(dp.param): dp for dp in self._dmuon_state.owned()}
 
-    def _materialise_state(self) -> None:
+    def materialise_state(self) -> None:
         """Create the zero state a first step would create, so sharded dicts have the same keys before and
-        after training starts (DCP loads into existing tensors). Mathematically a no-op."""
+        after training starts (DCP loads into existing tensors). Mathematically a no-op; local.
+
+        Example (what ``dmuon.get_optimizer_state_dict(..., sharded=True)`` does first)::
+
+            optimizer.materialise_state()
+            assert all(optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
+        """
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         rules = {id(p): rule_of(g) for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
-        for dp in self._dmuon_state.owned():
-            p = dp.bound()
-            if dp.route is Route.MUON and "momentum_buffer" not in self.state[p]:
-                self._update_target(dp)  # creates a master_dtype master from the param, as a first step does
+        ctx = self._routes()
+        for dp in self._dmuon_state.owned():  # the owners' matrices first, then the engine's shards
             if dp.route is Route.MUON:
-                rules[id(p)].init_state_(self.state[p], local(p), self.update_dtype(dp), full_rows=self._rows(dp))
+                routes.of(dp).materialise_(ctx, routes.Member(dp.fqn, dp.bound(), dp), rules[id(dp.bound())])
         for g in self.param_groups:
             if g["kind"] == "muon":
-                for _, p in self._sharded_in(g):
-                    engine_muon.materialise(p, self.state[p], self.master_dtype, self._sharded_seen, rule_of(g))
+                for strategy, members in routes.members(g, ctx.runtime, owned={}):  # (no owned: the shards only)
+                    for m in members:
+                        strategy.materialise_(ctx, m, rule_of(g))
                 continue
             for p in g["params"]:
                 st = self.state[p]
@@ -478,9 +489,15 @@ class Muon(torch.optim.Optimizer):
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] != "muon"]
         self._adamw.state = self.state
 
-    def _replace_state(self, new_state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-        """``dmuon.set_optimizer_state_dict``, after validating and placing every tensor: this rank's whole
-        state and each group's hyperparameters (``params`` and ``param_names`` stay this rank's)."""
+    def replace_state(self, new_state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """What ``dmuon.set_optimizer_state_dict`` ends with, once it validated and placed every tensor: this
+        rank's whole state and each group's hyperparameters (``params`` and ``param_names`` stay this rank's).
+        Local; no check of its own, so use the state-dict functions unless you placed the tensors yourself.
+
+        Example (the state kept, the hyperparameters of a saved ``param_groups`` list put back)::
+
+            optimizer.replace_state(dict(optimizer.state), saved_groups)
+        """
         for g, src in zip(self.param_groups, groups):
             for k, v in src.items():
                 if k not in ("params", "param_names"):
@@ -495,7 +512,7 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Optimizer.zero_grad``, plus every dedicated gradient this rank holds: non-owners'
         local ones (inside ``no_sync``), the owners' wide ``main_grad`` and gradients set aside during
         accumulation. Reduces still in flight are finished first, so none lands in ``.grad`` afterwards."""
-        self._check_engine_since_build()
+        self.check_engine()
         self._dmuon_state.finish_reduces()
         super().zero_grad(set_to_none)
         self._dmuon_state.clear_grads(set_to_none=set_to_none)
@@ -513,7 +530,7 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon: the model's dedicated parameters were replaced after this optimizer was built "
                 "(e.g. by to_empty()); build dmuon.Muon after materialising the model."
             )
-        self._check_engine_since_build()
+        self.check_engine()
         if getattr(state.engine, "drives_step", False):
             raise RuntimeError(
                 f"dmuon.Muon.step() on a model the {state.engine.kind} engine trains: its step() runs this "
@@ -551,7 +568,7 @@ class Muon(torch.optim.Optimizer):
         self._update_owned()
         self._adamw.step()
         if maxima is not None:
-            self.qk_clip.apply_(maxima, self._update_target)  # type: ignore[union-attr]
+            self.qk_clip.apply_(maxima, functools.partial(owner_route.update_target, self._routes()))  # type: ignore[union-attr]
         self._check_pending = False
 
     def _update_owned(self) -> None:
@@ -567,34 +584,7 @@ class Muon(torch.optim.Optimizer):
                         p.grad = grad.to(p.dtype)
 
     def _step_muon_group(self, group: dict[str, Any], owned: dict[int, DedicatedParam]) -> None:
-        """Same-shape matrices this rank owns go through Newton-Schulz as one batch."""
-        hp, rule = hparams_of(group), rule_of(group)  # the group's algorithm (dmuon/optim/rules.py)
-        engine_muon.step_params(self._sharded_in(group), hp, self.state, self._layouts(self._dmuon_state),
-                                self.master_dtype, self._sharded_seen, rule, ctx=self._dmuon_state.ctx)
-        by_shape: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}  # (param, update target, grad)
-        for p in group["params"]:
-            dp = owned.get(id(p))
-            if dp is None:  # on the engine's shards: done above
-                continue
-            grad = dp.reduced_grad()
-            if grad is None:
-                continue
-            target = self._update_target(dp)  # p itself unless it has a master
-            grad = grad.to(target.dtype)  # a no-op without mixed precision
-            rule.init_state_(self.state[p], grad, target.dtype, full_rows=self._rows(dp))
-            # same layout: one Newton-Schulz call per run of blocks ([Note: matrix blocks])
-            by_shape.setdefault((tuple(target.shape), target.dtype, grad.dtype, dp.tp_dim, dp.full_shape, dp.blocks),
-                                []).append((p, target, grad))
-        for (_, _, _, tp_dim, full_shape, blocks), items in by_shape.items():
-            args = ([t for _, t, _ in items], [g for _, _, g in items], [self.state[p] for p, _, _ in items], hp)
-            if tp_dim is None:
-                rule.update_(*args, blocks)
-            else:  # tensor parallel: the full matrix's update, NS on one tp rank per matrix ([Note: TP update])
-                state = self._dmuon_state
-                tp_group = state.tp_mesh.get_group()
-                rule.update_tp_(*args, full_shape=full_shape, tp_dim=tp_dim, tp_rank=state.tp_mesh.get_local_rank(),
-                                tp_size=state.tp_mesh.size(), blocks=blocks,
-                                exchange=lambda *a: C.tp_exchange(state.ctx, *a, group=tp_group))
-            for p, target, _ in items:
-                if target is not local(p):  # a master (a tensor-parallel shard is updated in place)
-                    owned[id(p)].write_back(target)  # round into the compute copy the next forward broadcasts
+        """Each route's params of the group, its own way ([Note: route strategies] in ``optim/routes/base.py``)."""
+        hp, rule, ctx = hparams_of(group), rule_of(group), self._routes()  # the group's algorithm (rules.py)
+        for strategy, members in routes.members(group, ctx.runtime, owned):
+            strategy.update_(ctx, members, hp, rule)

@@ -60,7 +60,7 @@ class CommKind(enum.Enum):
     #: as what this rank sends to its tp peers.
     TP_EXCHANGE = "tp_exchange"
     #: HSDP, in ``step()``: each replicate row's share of the experts' updated values and state to the other
-    #: rows of its shard column ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``); counted as
+    #: rows of its shard column ([Note: expert NS across replicas] in ``dmuon/optim/routes/sharded.py``); counted as
     #: the bytes of every share.
     SHARDED_UPDATE = "sharded_update"
 
@@ -455,7 +455,7 @@ def reduce_parts(ctx: CommContext, parts: Sequence[torch.Tensor], kind: CommKind
 def gather_shares(ctx: CommContext, parts: Sequence[torch.Tensor]) -> None:
     """Every replicate index ``i`` sends ``parts[i]`` (1-D bytes, sizes may differ) and receives every other
     index's in place: one launch, blocking (``step()`` reads the result next). [Note: expert NS across
-    replicas] in ``dmuon/optim/sharded.py``."""
+    replicas] in ``dmuon/optim/routes/sharded.py``."""
     wait(gather_parts(ctx, parts, CommKind.SHARDED_UPDATE, "expert shares", dim=Dim.REPLICATE))
 
 

@@ -166,14 +166,14 @@ def _baseline(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
 
 def _expert_share(sc: Scenario, sz: ModelSizes, slot: int) -> int:
     """Experts per layer and param whose update ``slot`` computes: its chunk's, split over the replicate rows
-    like ``torch.chunk`` ([Note: expert NS across replicas] in ``dmuon/optim/sharded.py``)."""
+    like ``torch.chunk`` ([Note: expert NS across replicas] in ``dmuon/optim/routes/sharded.py``)."""
     count = expert_counts(sz.experts, sc.shard)[slot % sc.shard] if sz.experts else 0
     return expert_counts(count, sc.replicas)[slot // sc.shard] if count and _splits_experts(sc) else count
 
 
 def _splits_experts(sc: Scenario) -> bool:
     """Whether the replicate rows split the experts' updates: HSDP without expert parallelism, the replicate
-    group inside one node (the runtime's rule, ``dmuon/optim/sharded.py``)."""
+    group inside one node (the runtime's rule, ``dmuon/optim/routes/sharded.py``)."""
     return sc.replicas > 1 and sc.ep == 1 and _groups(sc)["replicate"].nodes(sc.links) == 1
 
 

@@ -27,7 +27,7 @@ def _dtype(config: Any) -> torch.dtype | None:
 
 def _optimizer_problem(state: DMuonState, optimizer: Any, model_parameters: Any) -> str | None:
     """An optimizer other than the model's ``dmuon.Muon`` puts dedicated params into DeepSpeed's groups."""
-    if isinstance(optimizer, Muon) and optimizer._dmuon_state is state:
+    if isinstance(optimizer, Muon) and optimizer.runtime is state:
         if getattr(optimizer, "_deepspeed_drive", None) is not None:
             return ("this dmuon.Muon was already handed to deepspeed.initialize; build a new one for a new engine "
                     "(dmuon.Muon(model, ...))")

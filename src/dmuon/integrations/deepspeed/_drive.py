@@ -67,10 +67,8 @@ class Drive:
     def __init__(self, state: DMuonState, muon: Muon) -> None:
         self.state, self.muon = state, muon
         shared = engine_groups(muon)
-        adamw = muon._adamw
         #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains
-        self.facade = torch.optim.AdamW(shared, foreach=adamw.defaults.get("foreach"),
-                                        fused=adamw.defaults.get("fused"))
+        self.facade = torch.optim.AdamW(shared, **muon.adamw_kernels)
         self.shared = list(self.facade.param_groups)
         #: each of dmuon's own groups with its lr over the first group ZeRO steps, as built: the ratio a config
         #: ``"scheduler"`` (which sets the lr of ZeRO's groups only) keeps ([Note: DeepSpeed config schedulers])
@@ -120,7 +118,7 @@ class Drive:
                               self._check))
         muon = self.muon
         muon._deepspeed_drive = self
-        muon._adamw.param_groups = [g for g in muon.param_groups if g["kind"] == "adamw_owned"]  # owners' AdamW
+        muon.leave_adamw_to_engine()  # ZeRO steps the groups it trains; dmuon's AdamW the owners' only
         engines.bind(engine)  # no plain params for dmuon; the engine's accumulation boundary
 
     # ------------------------------------------------------------------ #

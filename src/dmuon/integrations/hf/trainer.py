@@ -42,7 +42,7 @@ def _base_optimizer(optimizer: Any) -> Any:
 
 def _muon_of(trainer: Trainer, model: nn.Module) -> Muon:
     opt = _base_optimizer(trainer.optimizer)
-    if not isinstance(opt, Muon) or opt._dmuon_state is not getattr(model, STATE_ATTR):
+    if not isinstance(opt, Muon) or opt.runtime is not getattr(model, STATE_ATTR):
         raise TypeError(
             "dmuon: a model prepared by dmuon.dedicate_params trains with dmuon.Muon built for it; pass "
             "Trainer(..., optimizers=(dmuon.Muon(model, ...), None)). "

@@ -23,7 +23,7 @@ experts and Newton–Schulz runs where they live, unless the ``efsdp x ep`` rank
 torchtitan switches the experts to ``Shard(1)`` (each expert's rows split over ranks, against padding): Muon
 would then need a gather per expert, which dmuon does not do, so that setting is refused. Under HSDP
 (``data_parallel_replicate_degree > 1``) each replicate row holds and updates its own copy of its experts
-([Note: Muon on the engine's shards] in ``dmuon/optim/sharded.py``). Also refused, as untested or
+([Note: Muon on the engine's shards] in ``dmuon/optim/routes/sharded.py``). Also refused, as untested or
 unsupported: expert parallelism with tensor parallelism (torchtitan's EP borrows the TP ranks), and tensor
 parallelism without expert parallelism, which splits every expert's hidden dimension over "tp" (expert
 tensor parallelism) when the experts take Muon. Each refusal is a ``ValueError`` naming the settings,

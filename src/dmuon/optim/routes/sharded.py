@@ -1,4 +1,5 @@
-"""Muon on the engine's shards: the update of ``Route.MUON_SHARDED`` params (experts ``[E, m, n]``).
+"""The engine's-shards route: the update of ``Route.MUON_SHARDED`` params (experts ``[E, m, n]``) where they live
+([Note: route strategies] in ``base.py``; its checkpoint view: state on every rank, laid out like the param).
 
 [Note: Muon on the engine's shards]
 A batch of matrices needs no owner: ``fully_shard`` chunks dim 0 (``Shard(0)``, like ``torch.chunk``),
@@ -38,7 +39,7 @@ would take the busiest rank's NS from 99 to 20 ms and add 254 ms of exposed gath
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,14 +47,22 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..runtime import comm as C
-from ..runtime.blocks import Blocks
-from ..runtime.param import splits_dim0_only
-from ..runtime.precision import is_wider, refresh_master_
-from .rules import RULES, Algorithm, UpdateRule
-from .update import MuonHParams
+from ...runtime import comm as C
+from ...runtime.blocks import Blocks
+from ...runtime.hooks import DMuonState
+from ...runtime.param import splits_dim0_only
+from ...runtime.precision import is_wider, refresh_master_
+from ..groups import canonical_name
+from ..rules import PER_ROW_KEYS, RULES, Algorithm, UpdateRule
+from ..update import MuonHParams
+from .base import Member, StepContext
 
-__all__ = ["check_sharded_params", "master_dtype_of", "update_target", "step_params", "materialise"]
+__all__ = ["Sharded", "layouts", "check_sharded_params", "master_dtype_of", "update_target", "step_params", "materialise"]
+
+
+def layouts(state: DMuonState) -> dict[str, Blocks]:
+    """The matrices of each ``Route.MUON_SHARDED`` param of the model, by canonical FQN (its name in param groups)."""
+    return {canonical_name(fqn): blocks for fqn, blocks in state.sharded_muon.items()}
 
 
 def check_sharded_params(named: Mapping[str, nn.Parameter], layouts: Mapping[str, Blocks]) -> None:
@@ -191,3 +200,35 @@ def _gather_shares(split: list[tuple[Tensor, ...]], ctx: C.CommContext) -> None:
         for view in views(r):
             view.copy_(parts[r][off:off + view.numel()])
             off += view.numel()
+
+
+class Sharded:
+    """Batches of matrices on the engine's dim-0 shards, stepped where they live ([Note: route strategies],
+    [Note: Muon on the engine's shards])."""
+
+    name = "muon_sharded"
+    on_owner = False
+
+    def update_(self, ctx: StepContext, members: Sequence[Member], hp: MuonHParams, rule: UpdateRule) -> None:
+        step_params([(m.name, m.param) for m in members], hp, ctx.state, layouts(ctx.runtime),  # type: ignore[misc]
+                    ctx.master_dtype, ctx.seen, rule, ctx=ctx.runtime.ctx)
+
+    def materialise_(self, ctx: StepContext, member: Member, rule: UpdateRule) -> None:
+        materialise(member.param, ctx.state[member.param], ctx.master_dtype, ctx.seen, rule)  # type: ignore[arg-type]
+
+    def state_dtypes(self, member: Member, rule: UpdateRule, *, master_dtype: torch.dtype | None
+                     ) -> dict[str, torch.dtype]:
+        master = master_dtype_of(member.param, master_dtype)
+        return {**rule.state_dtypes(master or member.param.dtype), **({"master": master} if master is not None else {})}
+
+    def laid_out_like(self, member: Member, key: str) -> Tensor | None:
+        """The param, or for a per-row state (NorMuon's ``[E, m, 1]``) ``param[..., :1]``'s layout."""
+        return member.param.detach()[..., :1] if key in PER_ROW_KEYS else member.param
+
+    def ns_batch(self, runtime: DMuonState, member: Member) -> tuple[Blocks, Any] | None:
+        """This rank's whole matrices of the batch (none in an empty chunk)."""
+        shape = tuple(member.param.to_local().shape)  # type: ignore[attr-defined]
+        return (Blocks.of(shape, layouts(runtime)[member.name].spec), None) if shape[0] else None
+
+    def ns_work(self, runtime: DMuonState, n: int, split: Any) -> tuple[int, int]:
+        return n, 0
