@@ -12,7 +12,7 @@ import math
 import pytest
 
 from dmuon.tools import measured, ns_table, schedules
-from dmuon.tools.comm_model import Group, Links, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
+from dmuon.links import Group, Links, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
 from dmuon.tools.plan import main as plan_main
 from dmuon.tools.plan import make_plan
 from dmuon.tools.presets import MOE_PRESETS, PRESETS, MoEShape

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .comm_model import Group, broadcast_ms
+from ..links import Group, broadcast_ms
 from .schedules import design_parts
 from .step_model import ModelSizes, Scenario, compute_ms, exposed_ms, sizes_of
 

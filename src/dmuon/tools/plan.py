@@ -30,7 +30,7 @@ from collections import defaultdict
 from typing import Any
 
 from ..partition import _count, assign_owners
-from .comm_model import Links
+from ..links import Links
 from .ns_table import BACKENDS
 from .presets import MOE_PRESETS, PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
@@ -197,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _simulate_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``--simulate`` and ``--validate`` (their defaults: the link model's, see
-    :mod:`dmuon.tools.comm_model`)."""
+    :mod:`dmuon.links`)."""
     sim = parser.add_argument_group("--simulate: the predicted step (no GPU needed)")
     links = Links()
     sim.add_argument("--simulate", action="store_true",

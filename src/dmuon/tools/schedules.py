@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..partition import OwnerPlan, ParamSpec, assign_owners, ns_cost
-from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
+from ..links import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 

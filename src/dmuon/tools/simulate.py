@@ -2,7 +2,7 @@
 validation against the measured runs, as tables, JSON or a chart.
 
 The model is in :mod:`dmuon.tools.step_model` (compute, overlap, element-wise work),
-:mod:`dmuon.tools.schedules` (what each design sends and computes), :mod:`dmuon.tools.comm_model` (links) and
+:mod:`dmuon.tools.schedules` (what each design sends and computes), :mod:`dmuon.links` (links) and
 :mod:`dmuon.tools.ns_table` (measured Newton–Schulz); :mod:`dmuon.tools.measured` holds the measured runs.
 """
 
