@@ -419,12 +419,16 @@ def assign_node_owners(
             raise ValueError(f"assign_node_owners: {name} must be an int >= 1, got {v!r}")
     world = nodes * per_node
     base = [0.0] * world if preload is None else [float(x) for x in preload]
-    if len(base) != world:
-        raise ValueError(f"preload must hold one cost per rank ({world}), got {preload!r}")
+    if len(base) != world or any(x < 0 for x in base):
+        raise ValueError(f"preload must hold one non-negative cost per rank ({world}), got {preload!r}")
+    dups = sorted(f for f, k in Counter(getattr(s, "fqn", None) for s in specs).items() if k > 1)
+    if dups:
+        raise ValueError(f"duplicate fqns in specs: {dups}; each parameter must be listed once")
     layers: dict[str, list[ParamSpec]] = {}
     for s in specs:
         if not isinstance(s, ParamSpec):
-            raise ValueError(f"assign_node_owners expects ParamSpec entries, got {s!r}")
+            raise ValueError(f"assign_node_owners expects ParamSpec entries, got {s!r}; wrap it as ParamSpec(fqn, shape, "
+                             "layer)")
         layers.setdefault(s.layer, []).append(s)
     held = [0] * nodes
     mine: list[list[ParamSpec]] = [[] for _ in range(nodes)]
@@ -441,7 +445,4 @@ def assign_node_owners(
         sub = assign_owners(mine[node], per_node, preload=share if preload is not None else None)
         loads += [dataclass_replace(r, rank=node * per_node + r.rank) for r in sub.ranks]
     owners = {f: r.rank for r in loads for f in r.fqns}
-    if len(owners) != len({s.fqn for s in specs}) or len(owners) != len(specs):
-        raise ValueError(f"duplicate fqns in specs: each parameter must be listed once, got {len(specs)} specs "
-                         f"for {len(owners)} names")
     return OwnerPlan(world_size=world, owners=owners, ranks=tuple(loads))
