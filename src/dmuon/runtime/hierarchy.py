@@ -14,11 +14,14 @@ planned over its ranks), so slot ``node x n + j`` owns the boundary's bucket ``j
 local index, one per node. Each phase is two launches per rank:
 
 * gather (forward, and Z3's backward): (A) on every rail the owner node's rank broadcasts its bucket to the same
-  local index of every node (each rank sits in one rail: one launch; blocking, since (B) sends what it got);
-  (B) in every node one ``gather_parts`` of the ``n`` buckets over the node group (NVLink). Bytes across nodes
+  local index of every node (each rank sits in one rail: one launch), issued with the boundary's ``unshard``,
+  so a prefetch overlaps the network hop with compute; (B) in every node one ``gather_parts`` of the ``n``
+  buckets over the node group (NVLink), issued when the boundary waits for its weights (it sends what (A)
+  brought, and issuing it earlier would make the compute stream wait for (A) right away). Bytes across nodes
   per rank: one bucket, about ``1/n`` of the boundary, instead of all of it.
 * gradient: (A') in every node one ``reduce_parts`` (AVG over the ``n`` ranks) gives local rank ``j`` its node's
-  average of bucket ``j``; (B') on every rail a reduce (AVG over the nodes) to the owner node's rank. The owner
+  average of bucket ``j`` (waited for at once: NVLink, short); (B') on every rail a reduce (AVG over the nodes)
+  to the owner node's rank, asynchronous like the flat layout's reduce. The owner
   gets the mean over the world: an average of ``n``-rank averages, which equals the flat layout's one average of
   ``W`` terms up to the rounding of the different order of summation (the same as HSDP's two stages), not bit for
   bit; ``tests/test_node_layout.py`` bounds it against the single-process oracle.
@@ -62,9 +65,14 @@ def gather_boundary(ctx: C.CommContext, parts: dict[int, torch.Tensor], kind: Co
         return C.gather_parts(ctx, _parts(ctx.shard_size, parts, like), kind, label)
     n, node = ctx.node_size, _owner_node(ctx, parts, label)
     mine = parts.get(node * n + ctx.index(C.Dim.NODE))
-    if mine is not None:  # (A): this rail's bucket, from the owner node
-        C.wait(C.broadcast(ctx, mine, node, kind, label, dim=C.Dim.RAIL))
-    return C.gather_parts(ctx, _parts(n, parts, like, node * n), kind, label, dim=C.Dim.NODE)  # (B)
+    # (A): this rail's bucket, from the owner node, now
+    rail = C.broadcast(ctx, mine, node, kind, label, dim=C.Dim.RAIL) if mine is not None else None
+    in_node = _parts(n, parts, like, node * n)
+
+    def node_gather() -> None:  # (B), once (A) is waited for: by the wait of the returned PendingComm
+        C.wait(C.gather_parts(ctx, in_node, kind, label, dim=C.Dim.NODE))
+
+    return C.PendingComm(rail.work if rail is not None else None, like, node_gather)
 
 
 def reduce_boundary(ctx: C.CommContext, parts: dict[int, torch.Tensor], kind: CommKind, label: str) -> C.PendingComm:
