@@ -118,7 +118,8 @@ def _stage(sc: Scenario, sz: ModelSizes, design: str, pp: int, m: int, s: int) -
     """One stage's step: per-microbatch compute, its collectives (gathers scaled), exposure and optimizer."""
     dp = dataclasses.replace(sc, world=sc.world // pp)
     sub = stage_sizes(sz, pp, s)
-    parts = design_parts(dp, design, sizes=sub)
+    # dedicate_params takes the flat layout under pipeline stages (the node layout is not built for them yet)
+    parts = design_parts(dp, "dmuon_flat" if design == "dmuon" else design, sizes=sub)
     fwd_k, bwd_k = stage_gathers(pp, m, s, sc.reshard)
     colls = []
     for c in parts["collectives"]:
