@@ -119,7 +119,7 @@ def _stage(sc: Scenario, sz: ModelSizes, design: str, pp: int, m: int, s: int) -
     dp = dataclasses.replace(sc, world=sc.world // pp)
     sub = stage_sizes(sz, pp, s)
     # dedicate_params takes the flat layout under pipeline stages (the node layout is not built for them yet)
-    parts = design_parts(dp, "dmuon_flat" if design == "dmuon" else design, sizes=sub)
+    parts = design_parts(dp, "dmuon_flat" if design == "dmuon" and pp > 1 else design, sizes=sub)
     fwd_k, bwd_k = stage_gathers(pp, m, s, sc.reshard)
     colls = []
     for c in parts["collectives"]:
