@@ -68,9 +68,11 @@ def _train(rank: int, world: int, layout: str, *, z3: bool = True, accum: int = 
             snapshot = {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt),
                         "weights": full_weights(model)}
     owners = {fqn: p._dedicated_owner_rank for fqn, p in dmuon.get_dedicated_params(model).items()}
+    row = dmuon.diagnostics.summarize(model).rows[rank]  # the last step's counts against what it expects
     out = {"losses": losses, "weights": full_weights(model), "calls": calls, "layout": state.layout,
-           "owners": owners, "boundaries": len(state.groups),
-           "summary_layout": dmuon.diagnostics.summarize(model).rows[rank]["layout"]}
+           "owners": owners, "boundaries": len(state.groups), "summary_layout": row["layout"],
+           "summary": {k: (row["expected"][k], row["measured"].get(k, 0))
+                       for k in ("forward_broadcast", "backward_broadcast", "reduce")}}
     if snapshot is not None:  # saved under this layout, loaded under the flat one (other owners)
         fresh, fresh_opt = _build(world, "flat", seed=99)
         dmuon.set_model_state_dict(fresh, snapshot["model"])
@@ -146,6 +148,7 @@ def test_node_layout_matches_the_oracle_and_the_flat_layout(four):
     oracle = train_oracle(STEPS)
     for rank, res in enumerate(four):
         assert res["node_z3"]["layout"] == res["node_z3"]["summary_layout"] == "node"
+        assert all(want == got for want, got in res["node_z3"]["summary"].values()), res["node_z3"]["summary"]
         assert_close_to(res["node_z3"], oracle, f"rank {rank}: node vs oracle")
         # the two-stage average rounds in another order than the flat one: oracle bounds, not bits
         assert_close_to(res["node_z3"], res["flat"], f"rank {rank}: node vs flat")

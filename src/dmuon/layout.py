@@ -40,7 +40,11 @@ def layout_ms(boundary_bytes: Sequence[float], world: int, per_node: int, layout
               links: Links | None = None) -> float:
     """Predicted ms of dmuon's collectives in one step on a 1-D mesh of ``world`` ranks, ``per_node`` a node,
     each boundary of ``boundary_bytes`` (bytes as gathered), under ``layout`` (``"flat"`` or ``"node"``). The
-    node layout's rail carries ``ceil(1/per_node)`` of each boundary (its buckets are about equal)."""
+    node layout's rail carries ``1/per_node`` of each boundary (its buckets are about equal). Example::
+
+        flat = layout_ms([436_207_616] * 32, 64, 8, "flat")   # Llama-3-8B's layers in bf16, 8 nodes of 8
+        node = layout_ms([436_207_616] * 32, 64, 8, "node")   # about a quarter of it
+    """
     if layout not in ("flat", "node"):
         raise ValueError(f"layout_ms: layout must be 'flat' or 'node', got {layout!r}")
     links = Links(gpus_per_node=per_node) if links is None else links
@@ -57,8 +61,8 @@ def choose_layout(boundary_bytes: Sequence[float], world: int, per_node: int, *,
     """The layout with the lower :func:`layout_ms` (``"flat"`` on a tie, and on one node). Example::
 
         from dmuon.layout import choose_layout
-        pick = choose_layout([7 * 2**25] * 32, world=64, per_node=8)   # Llama-3-8B's layers in bf16
-        print(pick.layout, pick.why())                                 # node ...
+        pick = choose_layout([436_207_616] * 32, world=64, per_node=8)   # Llama-3-8B's layers in bf16
+        print(pick.layout, pick.why())                                   # node ...
     """
     if world % per_node or world // per_node < 2:
         flat = layout_ms(boundary_bytes, world, world, "flat", z3=z3, links=links)
