@@ -116,7 +116,7 @@ def _refusal(world: int, layout: str, **mesh) -> dict:
     try:
         dmuon.dedicate_params(model, init_device_mesh(DEVICE_TYPE, **mesh), projection_predicate, layout=layout)
         return {"error": None, "untouched": False}
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         return {"error": str(e), "untouched": not hasattr(model, STATE_ATTR)
                 and not any(hasattr(p, "_dedicated_owner_rank") for p in model.parameters())}
 
@@ -131,6 +131,8 @@ def four_job(rank: int, world: int) -> dict:
         "auto_one_node": _with_nodes(world, _dedicated, world, "auto"),
         "refused_one_node": _with_nodes(world, _refusal, world, "node", mesh_shape=(world,)),
         "refused_unknown": _refusal(world, "node", mesh_shape=(world,)),
+        # ranks asking for different layouts would build different groups: the plan check stops them all
+        "refused_mixed": _with_nodes(2, _refusal, world, "node" if rank == 0 else "flat", mesh_shape=(world,)),
         "refused_hsdp": _with_nodes(2, _refusal, world, "node", mesh_shape=(2, world // 2),
                                     mesh_dim_names=("replicate", "shard")),
     }
@@ -208,7 +210,8 @@ def test_a_node_only_average_misses_the_oracle(four):
 def test_node_layout_refusals_name_the_reason_and_change_nothing(four):
     for rank, res in enumerate(four):
         for key, words in (("refused_one_node", "not two or more whole nodes"),
-                           ("refused_unknown", "unknown"), ("refused_hsdp", "HSDP")):
+                           ("refused_unknown", "unknown"), ("refused_hsdp", "HSDP"),
+                           ("refused_mixed", "ranks computed different owner plans or settings")):
             r = res[key]
             assert r["error"] is not None and words in r["error"] and r["untouched"], (rank, key, r)
 

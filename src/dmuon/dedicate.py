@@ -216,7 +216,9 @@ def dedicate_params(
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
     dtypes = ([f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
               + [f"sharded {s.fqn} {s.blocks}" for s in v.sharded])
-    fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest()
+    # the layout too: ranks that asked for different layouts would build different groups and hang
+    fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes, layout)
+                                      ).encode()).hexdigest()
     topology, per_node = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
                                             _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
                                             v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v),
