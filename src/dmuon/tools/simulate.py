@@ -151,9 +151,10 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
     dm = res["designs"].get("dmuon")
     lay = res.get("dmuon_layout")
     if dm and lay:
-        lines.append(f"dmuon: dedicate_params(layout='auto') takes {lay['why']}"
-                     + (f"; predicted step {lay['flat_step_ms']:.1f} ms flat, {lay['node_step_ms']:.1f} ms node"
-                        if "node_step_ms" in lay else " (the node layout needs a 1-D mesh over 2+ whole nodes)"))
+        lines.append(f"dmuon: dedicate_params(layout='auto') takes {lay['why']}; predicted step "
+                     f"{lay['flat_step_ms']:.1f} ms flat, {lay['node_step_ms']:.1f} ms node" if "node_step_ms" in lay
+                     else "dmuon: dedicate_params(layout='auto') takes layout 'flat' (the node layout needs a 1-D "
+                     "mesh over 2+ whole nodes)")
     if dm and res["more_slots_than_matrices"]:
         lines.append(f"note: {res['owner_slots']} owner slots but {res['dense_muon_matrices']} dense Muon matrices: "
                      f"{dm.get('idle_owners', 0)} slots own none; dmuon's NS is at its floor (one matrix's)")
