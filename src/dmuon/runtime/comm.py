@@ -68,7 +68,8 @@ class CommKind(enum.Enum):
 
 @dataclass
 class CommCounter:
-    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``):
+    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``; the
+    node layout's ``"node"`` and ``"rail"``):
     ``calls`` are launches (one ``torch.distributed`` call each), ``elements`` / ``nbytes`` the payload they
     deliver (without any padding a backend needs)."""
 
