@@ -99,10 +99,15 @@ def test_the_planner_counts_one_launch_per_boundary_and_phase(world, replicas):
     from dmuon.tools.step_model import Scenario
 
     shape = PRESETS["llama3-8b"]
-    calls = {c["name"]: c["calls"] for c in simulate_design(Scenario(shape, world, replicas=replicas),
-                                                              "dmuon")["collectives"]}
+    sc = Scenario(shape, world, replicas=replicas)
+    calls = {c["name"]: c["calls"] for c in simulate_design(sc, "dmuon_flat")["collectives"]}
     for phase in ("dmuon forward broadcast", "dmuon backward broadcast", "dmuon reduce"):
         assert calls[phase] == shape.layers, (phase, calls)
+    if replicas == 1 and world > 8:  # the node layout: per boundary and phase one launch on the rail, one in the node
+        node = {c["name"]: c["calls"] for c in simulate_design(sc, "dmuon_node")["collectives"]
+                if c["name"].startswith("dmuon")}
+        assert len(node) == 6, node  # a rail launches where its local index holds a bucket of the boundary
+        assert all(v == shape.layers if "(node)" in k else 0 < v <= shape.layers for k, v in node.items()), node
     if replicas > 1:  # a column's holders: one launch per boundary they hold a bucket of
         assert 0 < calls["dmuon replicate reduce"] == calls["dmuon replicate publish"] <= shape.layers, calls
 

@@ -2,7 +2,8 @@
 rank, the collectives the runtime issues (kind, group, payload bytes, launches), exactly.
 
 The runtime side: a 4-layer Llama-shaped model (``tests._training.CFG4``; its projections dedicated, the rest in
-one FSDP2 root unit: the planner's ``dmuon_wrap="root"``) on 8 and 16 gloo ranks, flat and HSDP (2 x 4, 4 x 4),
+one FSDP2 root unit: the planner's ``dmuon_wrap="root"``) on 8 and 16 gloo ranks, flat, HSDP (2 x 4, 4 x 4) and flat
+under dmuon's node layout (2 and 4 nodes of 4, [Note: node layout] in ``dmuon/runtime/hierarchy.py``),
 two steps; the second step is recorded (the first also publishes what the bind left stale). dmuon's
 ``CommCounter`` gives every collective dmuon issued by kind and mesh dimension; wrapping ``torch.distributed``
 (``dmuon.tools.side_by_side.CollectiveCounter``) counts every launch of the step independently, FSDP2's included.
@@ -13,6 +14,7 @@ matrices as the model names them (the owner plan breaks ties by name).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.links import Links
 from dmuon.runtime.hooks import get_state
 from dmuon.tools.models import TinyLlama, projection_predicate
 from dmuon.tools.presets import LlamaShape
@@ -31,15 +34,27 @@ from tests._dist import DEVICE_TYPE, device, run_distributed
 from tests._training import CFG4, KJ
 
 RUNS_ON_CUDA = True
-#: world size -> the replicate sizes run on it (1: flat FSDP2)
-MESHES = {8: (1, 2), 16: (1, 4)}
+#: world size -> the replicate sizes run on it (1: flat FSDP2; "node": flat FSDP2, dmuon's node layout on nodes of
+#: NODE ranks, simulated with torchrun's LOCAL_WORLD_SIZE)
+MESHES: dict[int, tuple[int | str, ...]] = {8: (1, 2, "node"), 16: (1, 4, "node")}
+NODE = 4
 #: CFG4 as the planner reads it
 SHAPE = LlamaShape("cfg4", hidden=CFG4.dim, intermediate=CFG4.hidden_dim, layers=CFG4.n_layers, heads=CFG4.n_heads,
                    kv_heads=CFG4.n_kv_heads, head_dim=CFG4.head_dim, vocab=CFG4.vocab_size)
 
 
-def _one(rank: int, world: int, replicas: int) -> dict:
+def _one(rank: int, world: int, replicas: int | str) -> dict:
     torch.manual_seed(0)
+    layout = "node" if replicas == "node" else "flat"
+    if layout == "node":
+        os.environ["LOCAL_WORLD_SIZE"] = str(NODE)
+    try:
+        return _run(world, 1 if replicas == "node" else replicas, layout)  # type: ignore[arg-type]
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def _run(world: int, replicas: int, layout: str) -> dict:
     if replicas > 1:
         mesh = init_device_mesh(DEVICE_TYPE, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
         shard, replicate = mesh["shard"], mesh["replicate"]
@@ -49,7 +64,7 @@ def _one(rank: int, world: int, replicas: int) -> dict:
     model = TinyLlama(CFG4)
     model.init_weights(0)
     model = model.to(device())
-    dmuon.dedicate_params(model, shard, projection_predicate, replicate_mesh=replicate)
+    dmuon.dedicate_params(model, shard, projection_predicate, replicate_mesh=replicate, layout=layout)
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
     gen = torch.Generator().manual_seed(1)
@@ -77,12 +92,14 @@ def runs() -> dict[int, list[dict]]:
     return {world: run_distributed(_job, world) for world in MESHES}
 
 
-def _planned(world: int, replicas: int, res: dict) -> tuple[dict, int]:
+def _planned(world: int, replicas: int | str, res: dict) -> tuple[dict, int]:
     """The planner's dmuon schedule for ``res``'s rank, and its FSDP2 launches of the step."""
-    sc = Scenario(SHAPE, world, replicas=replicas, dtype_bytes=4)
+    layout = "node" if replicas == "node" else "flat"
+    sc = Scenario(SHAPE, world, replicas=1 if layout == "node" else replicas, dtype_bytes=4,  # type: ignore[arg-type]
+                  links=Links(gpus_per_node=NODE))
     sizes = dataclasses.replace(sizes_of(SHAPE, sc.seq), muon=tuple(sorted(res["matrices"])))
-    fsdp2 = sum(c["calls"] for c in simulate_design(sc, "dmuon")["collectives"] if c["name"].startswith("fsdp2"))
-    return dmuon_schedule(sc, slot=res["slot"], sizes=sizes), fsdp2
+    fsdp2 = sum(c["calls"] for c in simulate_design(sc, "dmuon_flat")["collectives"] if c["name"].startswith("fsdp2"))
+    return dmuon_schedule(sc, slot=res["slot"], sizes=sizes, layout=layout), fsdp2
 
 
 @pytest.mark.parametrize("world,replicas", [(w, r) for w, rs in MESHES.items() for r in rs])

@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor
 from . import engines
 from .engines.fsdp2 import FSDP2, install_patch
 from .integrations import activate_installed_glue
-from .partition import OwnerPlan, ParamSpec, assign_owners, blocks_ns_cost
+from .layout import choose_layout
+from .partition import OwnerPlan, ParamSpec, assign_node_owners, assign_owners, blocks_ns_cost
 from .runtime import comm as C
 from .runtime.config import RuntimeConfig
+from .runtime.grid import node_blocks
 from .runtime.group import BoundaryGroup
 from .runtime.hooks import STATE_ATTR, DMuonState
 from .runtime.param import DEDICATED_ATTR, DedicatedParam, is_dedicated, local, splits_dim0_only
@@ -77,6 +79,7 @@ def dedicate_params(
     reduce_dtype: torch.dtype | None = None,
     route: RouteFn | None = None,
     blocks: BlocksFn | None = None,
+    layout: str = "auto",
     verbose: bool = True,
 ) -> OwnerPlan:
     """Give every selected weight (a matrix, or a batch of them such as experts ``[E, m, n]``) one owner
@@ -166,6 +169,20 @@ def dedicate_params(
                 dmuon.dedicate_params(model, mesh, predicate,
                                       blocks=lambda fqn, p: [4096, 1024, 1024] if fqn.endswith("wqkv.weight") else None)
 
+        layout: where owners sit on a 1-D mesh over several nodes ([Note: node layout] in
+            ``dmuon/runtime/hierarchy.py``). ``"flat"``: anywhere in the mesh, each phase one collective over
+            every rank. ``"node"``: each boundary owned inside one node, its matrices spread over that node's
+            ranks; each phase crosses the network once per rail (the ranks of one local index) with about
+            ``1/ranks_per_node`` of the boundary, then gathers inside every node. Needs a 1-D mesh of two or more
+            whole nodes of equal size (torchrun's ``LOCAL_WORLD_SIZE``, the same on every rank); refused with
+            HSDP, tensor parallelism and pipeline stages. ``"auto"`` (default): ``"node"`` where it is allowed
+            and dmuon's cost model (``dmuon.layout.choose_layout``) predicts less communication time, else
+            ``"flat"``: on one node, or where nodes are unknown, always ``"flat"``. The choice is in
+            ``dmuon.diagnostics.summarize`` and ``python -m dmuon.plan`` prints it. Example::
+
+                # torchrun --nnodes 8 --nproc-per-node 8 train.py
+                dmuon.dedicate_params(model, init_device_mesh("cuda", (64,)), predicate, layout="node")
+
         verbose: ``True`` (default) prints the plan's one-line summary on rank 0 (``dmuon: 84 dedicated
             params over 8 ranks ...``), so a new user sees what was dedicated without configuring logging;
             ``False`` sends it to the ``"dmuon"`` logger at INFO instead.
@@ -186,6 +203,7 @@ def dedicate_params(
     install_patch()
     # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
     try:
+        _check_layout(layout, mesh, replicate_mesh)
         v = _validate(model, mesh, predicate, route, blocks, replicate_mesh, hook_boundary_predicate,
                       hook_boundary_strict, RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))
@@ -198,14 +216,21 @@ def dedicate_params(
     # disagreeing on param_dtype / reduce_dtype would mismatch their buffers.
     dtypes = ([f"{s.param.dtype}/{s.route.value}" for s in v.selected] + [f"replicated {s.fqn}" for s in v.replicated]
               + [f"sharded {s.fqn} {s.blocks}" for s in v.sharded])
-    fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes)).encode()).hexdigest()
-    topology = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
-                                  _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
-                                  v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v)))
+    # the layout too: ranks that asked for different layouts would build different groups and hang
+    fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes, layout)
+                                      ).encode()).hexdigest()
+    topology, per_node = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
+                                            _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
+                                            v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v),
+                                            C.local_world_size()))
+    # every rank decides from the same gathered views: all refuse together, before anything changed
+    node_size = _resolve_layout(layout, v, topology, per_node)
+    plan = v.plan if node_size is None else assign_node_owners(v.specs, v.mesh.size() // node_size, node_size,
+                                                               preload=v.preload)
 
     # ---------------- collective: dmuon's process groups over the grid of ranks ---------------- #
-    ctx = C.CommContext.from_meshes(v.mesh, v.replicate_mesh, C.CommCounter())
-    config, plan, selected, boundary_of, modules = v.config, v.plan, v.selected, v.boundary_of, v.modules
+    ctx = C.CommContext.from_meshes(v.mesh, v.replicate_mesh, C.CommCounter(), node_size=node_size)
+    config, selected, boundary_of, modules = v.config, v.selected, v.boundary_of, v.modules
 
     # ---------------- mutation ---------------- #
     state = _build_state(model, ctx, config, plan, selected, boundary_of, modules, topology)
@@ -216,6 +241,8 @@ def dedicate_params(
     setattr(model, STATE_ATTR, state)
     activate_installed_glue()
     line = plan.summary_line() + (f"; {len(v.sharded)} expert params on the engine's shards" if v.sharded else "")
+    if node_size is not None:
+        line += f"; node layout, {v.mesh.size() // node_size} nodes of {node_size}"
     if topology.pipelined:  # each stage's first rank says its own
         line = line.replace("dmuon: ", f"dmuon: stage {topology.stage} of {len(topology.stages)}: ", 1)
     if dist.get_rank() == topology.stage_ranks[0]:
@@ -242,6 +269,8 @@ class _Validated(NamedTuple):
     sharded: list[Selected]
     #: the "tp" dimension of a ("dp", "tp") mesh ([Note: TP update] in dmuon/optim/tp_update.py)
     tp_mesh: DeviceMesh | None
+    #: NS work the engine's shards put on each slot (``muon_sharded`` experts), which the plan balances around
+    preload: list[float] | None
 
 
 def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, route: RouteFn | None,
@@ -266,7 +295,7 @@ def _validate(model: nn.Module, mesh: DeviceMesh, predicate: Predicate | None, r
     preload = engine_loads(chosen.sharded, mesh.size(), replicas, blocks_ns_cost) if chosen.sharded else None
     plan = assign_owners(specs, mesh.size() * replicas, preload=preload)
     return _Validated(mesh, replicate_mesh, config, modules, selected, boundary_of, specs, plan, chosen.replicated,
-                      chosen.sharded, tp_mesh)
+                      chosen.sharded, tp_mesh, preload)
 
 
 class _Mine(NamedTuple):
@@ -285,6 +314,8 @@ class _Mine(NamedTuple):
     nd: bool
     #: a reduce dtype wider than a compute dtype (not yet with pipeline stages)
     widens: bool
+    #: torchrun's LOCAL_WORLD_SIZE as this rank reads it (0: unknown)
+    local_world: int
 
 
 def _ranks(mesh: DeviceMesh | None) -> tuple[int, ...]:
@@ -301,19 +332,19 @@ def _widens(v: _Validated) -> bool:
                                  for s in v.selected)
 
 
-def _agree(error: str | None, mine: _Mine | None) -> Topology:
+def _agree(error: str | None, mine: _Mine | None) -> tuple[Topology, int]:
     """One gather over the default group: every rank's local verdict, plan fingerprint and mesh links. A rank
     that failed its checks makes every other rank raise too (it raises its own error); the links give the
     pipeline stages ([Note: pipeline stages] in ``dmuon/runtime/topology.py``), within which every rank must
     hold the same params and plan alike. Every rank decides from the same views, so all raise together, before
-    anything has changed anywhere."""
+    anything has changed anywhere. Also the ranks per node every rank read alike (0: unknown, or not alike)."""
     views = C.all_gather_default((dist.get_rank(), error, mine))
     failed = [(r, e) for r, e, _ in views if e is not None]  # type: ignore[misc]
     if failed and error is None:
         raise ValueError("dmuon.dedicate_params: refused on " + "; ".join(f"rank {r}: {e}" for r, e in failed)
                          + ". Nothing was changed on any rank.")
     if failed or mine is None:
-        return Topology.single(dist.get_world_size())
+        return Topology.single(dist.get_world_size()), 0
     by_rank: dict[int, _Mine] = {r: m for r, _, m in views}  # type: ignore[misc]
     C.grids_from_views([(r, m.row, m.col) for r, m in by_rank.items()])  # a replicate mesh that is no grid
     topology = Topology.from_links([(r, m.links) for r, m in by_rank.items()], dist.get_rank())
@@ -321,7 +352,8 @@ def _agree(error: str | None, mine: _Mine | None) -> Topology:
         _check_stage(ranks, by_rank)
     if topology.pipelined:
         _check_stages(topology, by_rank)
-    return topology
+    read = {m.local_world for m in by_rank.values()}
+    return topology, read.pop() if len(read) == 1 else 0
 
 
 def _check_stage(ranks: tuple[int, ...], by_rank: dict[int, _Mine]) -> None:
@@ -373,6 +405,59 @@ def _check_stages(topology: Topology, by_rank: dict[int, _Mine]) -> None:
             "stages yet (the schedule scales param.grad, where such a gradient does not live); leave reduce_dtype "
             "unset. Nothing was changed on any rank."
         )
+
+
+LAYOUTS = ("auto", "flat", "node")
+
+
+def _check_layout(layout: object, mesh: object, replicate_mesh: object) -> None:
+    """The ``layout`` argument, and what the node layout refuses on sight (the rest needs every rank's view:
+    :func:`_resolve_layout`)."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"dmuon.dedicate_params: layout must be one of {LAYOUTS}, got {layout!r}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if layout == "node" and (replicate_mesh is not None or getattr(mesh, "ndim", 1) != 1):
+        raise ValueError(
+            f"dmuon.dedicate_params: layout='node' needs a 1-D mesh over whole nodes; got "
+            f"{'a replicate_mesh (HSDP)' if replicate_mesh is not None else f'a mesh with dims {names}'}. HSDP "
+            "already keeps dmuon's gathers inside its shard groups, and the node layout with HSDP, tensor "
+            "parallelism or pipeline stages is not built yet: pass layout='flat' (or leave the default, 'auto')."
+        )
+
+
+def _resolve_layout(layout: str, v: _Validated, topology: Topology, per_node: int) -> int | None:
+    """The node size under the node layout, ``None`` for the flat one; decided alike on every rank from the
+    gathered views ([Note: node layout] in ``dmuon/runtime/hierarchy.py``)."""
+    if layout == "flat":
+        return None
+    why = None
+    if v.replicate_mesh is not None or v.tp_mesh is not None:
+        why = "HSDP and tensor parallelism are not supported with it yet"
+    elif topology.pipelined:
+        why = f"pipeline stages ({len(topology.stages)}) are not supported with it yet"
+    else:
+        why = node_blocks(_ranks(v.mesh), per_node)
+    if why is not None:
+        if layout == "node":
+            raise ValueError(
+                f"dmuon.dedicate_params: layout='node' needs a 1-D mesh of two or more whole nodes of equal size "
+                f"(torchrun's LOCAL_WORLD_SIZE, read alike on every rank), but {why}. Pass layout='flat', or "
+                "launch with torchrun (--nproc-per-node sets it). Nothing was changed on any rank."
+            )
+        return None
+    if layout == "auto" and choose_layout(_boundary_bytes(v), v.mesh.size(), per_node,
+                                          z3=v.config.reshard_after_forward).layout != "node":
+        return None
+    return per_node
+
+
+def _boundary_bytes(v: _Validated) -> list[int]:
+    """Bytes of each boundary's dedicated params as its gathers carry them (the compute dtype)."""
+    size = {s.fqn: (v.config.param_dtype or s.param.dtype).itemsize for s in v.selected}
+    out: dict[str, int] = {}
+    for spec in v.specs:
+        out[spec.layer] = out.get(spec.layer, 0) + spec.numel * size[spec.fqn]
+    return [out[k] for k in sorted(out)]
 
 
 def _check_meshes(model: nn.Module, mesh: DeviceMesh, replicate_mesh: DeviceMesh | None

@@ -192,11 +192,14 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     P = sum(dp.shape.numel() for dp in dps)
     column = sum(dp.shape.numel() for dp in dps if dp.owner % ctx.shard_size == ctx.shard_index)
     hsdp = ctx.replicate_size > 1
+    # the node layout's rails carry this rank's local index's buckets once more ([Note: node layout])
+    rail = 0 if ctx.node_size is None else sum(dp.shape.numel() for dp in dps
+                                               if dp.owner % ctx.node_size == ctx.shard_index % ctx.node_size)
     owned = [dp for dp in dps if dp.is_owner]
     counts = comm_counts(model)
     tp_size = state.tp_mesh.size() if state.tp_mesh is not None else 1
     row = {
-        "rank": torch.distributed.get_rank(), "slot": ctx.rank,
+        "rank": torch.distributed.get_rank(), "slot": ctx.rank, "layout": state.layout,
         "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
                    "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
                    "route": dp.route.value,  # an adamw_owner param runs no NS
@@ -207,8 +210,9 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
                    if dp.route is Route.MUON else 0.0}
                   for dp in owned],
         # the replicate stages move the tensors of this rank's shard column, on each of its holders
-        "expected": {"forward_broadcast": P, "backward_broadcast": P if state.config.reshard_after_forward else 0,
-                     "reduce": P + (column if hsdp else 0), "replicate_publish": column if hsdp else 0},
+        "expected": {"forward_broadcast": P + rail,
+                     "backward_broadcast": P + rail if state.config.reshard_after_forward else 0,
+                     "reduce": P + rail + (column if hsdp else 0), "replicate_publish": column if hsdp else 0},
         "measured": {k: v["elements"] for k, v in counts.items() if isinstance(v, dict) and "elements" in v},
     }
     row["owned_elements"] = sum(p["numel"] for p in row["owned"])

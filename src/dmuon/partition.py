@@ -22,6 +22,7 @@ import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from types import MappingProxyType
 
 from .runtime.blocks import Blocks, RowBlocks
@@ -34,6 +35,7 @@ __all__ = [
     "blocks_ns_cost",
     "shard_ns_cost",
     "assign_owners",
+    "assign_node_owners",
 ]
 
 # A rank counts as "about as idle as the idlest rank" when its load is within
@@ -388,3 +390,59 @@ def assign_owners(
     )
     owners = {f: r.rank for r in ranks for f in r.fqns}
     return OwnerPlan(world_size=world_size, owners=owners, ranks=ranks)
+
+
+def assign_node_owners(
+    specs: Sequence[ParamSpec],
+    nodes: int,
+    per_node: int,
+    *,
+    preload: Sequence[float] | None = None,
+) -> OwnerPlan:
+    """The node layout's plan ([Note: node layout] in ``dmuon/runtime/hierarchy.py``): every boundary (``layer``)
+    owned inside one node, its matrices spread over that node's ``per_node`` ranks, slot ``node x per_node +
+    local``.
+
+    Boundaries are dealt to nodes by bytes (largest first, ties by name, each to the node holding the fewest
+    elements so far, then the lowest index), so every node sends about the same share across the network; each
+    node's specs then go through :func:`assign_owners` over its ``per_node`` slots (with its part of
+    ``preload``). Like :func:`assign_owners`, the result depends only on the set of specs.
+
+    Example::
+
+        specs = [ParamSpec(f"layers.{i}.{n}", (64, 64), f"layers.{i}") for i in range(4) for n in "qkvo"]
+        plan = assign_node_owners(specs, nodes=2, per_node=4)   # layers 0 and 2 on node 0, 1 and 3 on node 1
+        assert {plan.owners["layers.1.q"] // 4, plan.owners["layers.2.q"] // 4} == {0, 1}
+    """
+    for name, v in (("nodes", nodes), ("per_node", per_node)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"assign_node_owners: {name} must be an int >= 1, got {v!r}")
+    world = nodes * per_node
+    base = [0.0] * world if preload is None else [float(x) for x in preload]
+    if len(base) != world or any(x < 0 for x in base):
+        raise ValueError(f"preload must hold one non-negative cost per rank ({world}), got {preload!r}")
+    dups = sorted(f for f, k in Counter(getattr(s, "fqn", None) for s in specs).items() if k > 1)
+    if dups:
+        raise ValueError(f"duplicate fqns in specs: {dups}; each parameter must be listed once")
+    layers: dict[str, list[ParamSpec]] = {}
+    for s in specs:
+        if not isinstance(s, ParamSpec):
+            raise ValueError(f"assign_node_owners expects ParamSpec entries, got {s!r}; wrap it as ParamSpec(fqn, shape, "
+                             "layer)")
+        layers.setdefault(s.layer, []).append(s)
+    held = [0] * nodes
+    mine: list[list[ParamSpec]] = [[] for _ in range(nodes)]
+    for layer in sorted(layers, key=lambda x: (-sum(s.numel for s in layers[x]), x)):
+        node = min(range(nodes), key=lambda k: (held[k], k))
+        held[node] += sum(s.numel for s in layers[layer])
+        mine[node] += layers[layer]
+    loads: list[RankLoad] = []
+    for node in range(nodes):
+        share = base[node * per_node : (node + 1) * per_node]
+        if not mine[node]:
+            loads += [RankLoad(node * per_node + r, (), 0, share[r], share[r]) for r in range(per_node)]
+            continue
+        sub = assign_owners(mine[node], per_node, preload=share if preload is not None else None)
+        loads += [dataclass_replace(r, rank=node * per_node + r.rank) for r in sub.ranks]
+    owners = {f: r.rank for r in loads for f in r.fqns}
+    return OwnerPlan(world_size=world, owners=owners, ranks=tuple(loads))

@@ -25,12 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from .errors import raise_internal
+from .grid import grids_from_views
 from .lifetime import track as _track
 
 __all__ = [
     "CommKind", "CommCounter", "Dim", "CommContext", "PendingComm", "broadcast", "reduce_avg", "gather_parts",
     "reduce_parts", "gather_shares", "all_reduce_avg", "wait", "all_reduce_sum", "all_reduce_max",
-    "all_gather_object", "broadcast_object", "grids_from_views",
+    "all_gather_object", "broadcast_object", "grids_from_views", "local_world_size",
 ]
 
 
@@ -67,7 +68,8 @@ class CommKind(enum.Enum):
 
 @dataclass
 class CommCounter:
-    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``):
+    """Running totals per :class:`CommKind` and mesh dimension (``"shard"``, ``"replicate"``, ``"world"``; the
+    node layout's ``"node"`` and ``"rail"``):
     ``calls`` are launches (one ``torch.distributed`` call each), ``elements`` / ``nbytes`` the payload they
     deliver (without any padding a backend needs)."""
 
@@ -121,6 +123,10 @@ class Dim(enum.Enum):
     REPLICATE = "replicate"
     #: Every rank (checkpoints, plan checks, plain-parameter gradients).
     WORLD = "world"
+    #: The node layout ([Note: node layout] in ``hierarchy.py``): the ranks of this rank's node.
+    NODE = "node"
+    #: The node layout: the ranks of this rank's local index, one in every node (a *rail*).
+    RAIL = "rail"
 
 
 @dataclass
@@ -141,6 +147,9 @@ class CommContext:
     #: of the job read the same value; ``None`` where unknown, not the same everywhere, or not needed (no
     #: replicate dim). Learnt in :meth:`from_meshes`' gather.
     ranks_per_node: int | None = None
+    #: the node layout ([Note: node layout] in ``hierarchy.py``): ranks per node, whose node and rail groups
+    #: ``groups`` holds; ``None``: the flat layout (owners anywhere in the shard row)
+    node_size: int | None = None
 
     # -- geometry --------------------------------------------------------------------------------- #
     @property
@@ -178,6 +187,10 @@ class CommContext:
         # asked on every hook call: computed once
         self._sizes = {Dim.SHARD: self.shard_size, Dim.REPLICATE: self.replicate_size, Dim.WORLD: self.world_size}
         self._indices = {Dim.SHARD: self.shard_index, Dim.REPLICATE: self.replicate_index, Dim.WORLD: self.rank}
+        if self.node_size is not None:  # a 1-D grid: slot = node x node_size + local index
+            n = self.node_size
+            self._sizes.update({Dim.NODE: n, Dim.RAIL: self.shard_size // n})
+            self._indices.update({Dim.NODE: self.shard_index % n, Dim.RAIL: self.shard_index // n})
         #: per dim, whether its group's backend gathers parts of unequal sizes in one launch (asked lazily)
         self._uneven: dict[Dim, bool] = {}
 
@@ -194,15 +207,22 @@ class CommContext:
             return self.grid[self.replicate_index][index]
         if dim is Dim.REPLICATE:
             return self.grid[index][self.shard_index]
+        if dim is Dim.NODE:
+            return self.grid[0][self.shard_index - self.shard_index % self.node_size + index]  # type: ignore[operator]
+        if dim is Dim.RAIL:
+            return self.grid[0][index * self.node_size + self.shard_index % self.node_size]  # type: ignore[operator]
         return self.grid[index // self.shard_size][index % self.shard_size]
 
     # -- construction ------------------------------------------------------------------------------ #
     @classmethod
-    def from_meshes(cls, shard_mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, counter: CommCounter) -> CommContext:
+    def from_meshes(cls, shard_mesh: DeviceMesh, replicate_mesh: DeviceMesh | None, counter: CommCounter, *,
+                    node_size: int | None = None) -> CommContext:
         """Private groups with the meshes' ranks. Collective over the default group.
 
         With a ``replicate_mesh``, every rank's shard and replicate ranks must form one grid; otherwise
-        every rank raises the same ``ValueError`` before any group is created.
+        every rank raises the same ``ValueError`` before any group is created. ``node_size``: the node layout
+        on a 1-D mesh of whole nodes of that many consecutive slots (checked by ``dedicate_params`` on every
+        rank alike): its node and rail groups too.
         """
         backend = dist.get_backend(shard_mesh.get_group())
         timeout = _user_timeout(_mesh_device(shard_mesh))
@@ -217,7 +237,7 @@ class CommContext:
         if len(row) * len(col) == dist.get_world_size() and replicate_mesh is None:
             views = [(r, row, (r,)) for r in row]  # plain data parallelism: nothing to gather
         else:  # the node layout rides along (the HSDP expert split reads it: [Note: expert NS across replicas])
-            dist.all_gather_object(views, ((me, row, col), _local_world_size()))
+            dist.all_gather_object(views, ((me, row, col), local_world_size()))
             read = {v[1] for v in views}  # type: ignore[index]
             per_node = read.pop() if len(read) == 1 else None  # every rank the same, or unknown
             views = [v[0] for v in views]  # type: ignore[index]
@@ -228,8 +248,11 @@ class CommContext:
             made = _new_grid_groups(grid, me, backend, timeout)
             if made is not None:
                 mine, groups = grid, made
+        if node_size is not None:
+            groups.update(_new_node_groups(mine[0], me, node_size, backend, timeout))
         r_idx = next(i for i, rr in enumerate(mine) if me in rr)
-        ctx = cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter, per_node or None)
+        ctx = cls(mine, r_idx, mine[r_idx].index(me), groups, _mesh_device(shard_mesh), counter, per_node or None,
+                  node_size)
         _track(ctx)
         return ctx
 
@@ -256,58 +279,18 @@ def _new_grid_groups(grid: tuple[tuple[int, ...], ...], me: int, backend: str, t
     return groups if r_idx is not None else None
 
 
-def grids_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
-    """The grids of data-parallel ranks (one per tp index; one without TP), in a fixed order, from every rank's
-    (rank, shard-mesh ranks, replicate-mesh ranks); each checked by :func:`_grid_from_views`."""
-    components: list[set[int]] = []  # ranks linked by a shard row or a replicate column: one grid each
-    for _, row, col in views:
-        linked = set(row) | set(col)
-        for c in [c for c in components if c & linked]:
-            components.remove(c)
-            linked |= c
-        components.append(linked)
-    return [_grid_from_views([v for v in views if v[0] in c]) for c in sorted(components, key=min)]
+def _new_node_groups(row: tuple[int, ...], me: int, n: int, backend: str, timeout: Any
+                     ) -> dict[Dim, dist.ProcessGroup | None]:
+    """The node groups (``n`` consecutive slots each), then the rails (one slot of every node), in order."""
+    groups: dict[Dim, dist.ProcessGroup | None] = {}
+    for ranks in [row[i : i + n] for i in range(0, len(row), n)] + [row[j::n] for j in range(n)]:
+        g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+        if me in ranks:
+            groups[Dim.RAIL if Dim.NODE in groups else Dim.NODE] = g
+    return groups
 
 
-def _grid_from_views(views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
-    """``grid[r][s]`` from each rank's (rank, shard-mesh ranks, replicate-mesh ranks), or a ValueError."""
-    world = sorted(v[0] for v in views)
-    S, R = len(views[0][1]), len(views[0][2])
-    problem = None
-    if any(len(row) != S or len(col) != R for _, row, col in views) or R * S != len(world):
-        problem = f"sizes differ or do not multiply to the world size {len(world)}"
-    grid: list[list[int | None]] = [[None] * S for _ in range(R)]
-    if problem is None:
-        for rank, row, col in views:
-            if rank not in row or rank not in col:
-                problem = f"rank {rank} is missing from its own meshes"
-                break
-            r, s = col.index(rank), row.index(rank)
-            if grid[r][s] is not None:
-                problem = f"ranks {grid[r][s]} and {rank} claim the same cell (replicate {r}, shard {s})"
-                break
-            grid[r][s] = rank
-    if problem is None:
-        by_rank = {rank: (row, col) for rank, row, col in views}
-        for r in range(R):
-            for s in range(S):
-                rank = grid[r][s]
-                row, col = by_rank[rank]  # type: ignore[index]
-                if row != tuple(grid[r]) or col != tuple(grid[rr][s] for rr in range(R)):
-                    problem = f"rank {rank}'s shard ranks {row} / replicate ranks {col} do not line up"
-                    break
-            if problem:
-                break
-    if problem is not None:
-        raise ValueError(
-            "dmuon.dedicate_params: the replicate mesh's ranks do not complete the shard mesh to a grid "
-            f"({problem}). Pass the two dimensions of one 2-D mesh, e.g. mesh['shard'] and "
-            "mesh['replicate'] of init_device_mesh(..., (R, S), mesh_dim_names=('replicate', 'shard'))."
-        )
-    return tuple(tuple(int(x) for x in row) for row in grid)  # type: ignore[arg-type]
-
-
-def _local_world_size() -> int:
+def local_world_size() -> int:
     """torchrun's ``LOCAL_WORLD_SIZE`` (0 where unset or unreadable)."""
     try:
         return int(os.environ["LOCAL_WORLD_SIZE"])

@@ -5,7 +5,9 @@ parameter of the bucket is an ``nn.Parameter`` whose ``.data`` is a view into th
 transfer fills all of them and freeing the buffer's storage frees all of them, while the parameter
 objects (and autograd's saved views of them) stay the same. Every owner's bucket of a boundary moves in one
 launch per phase and dtype ([Note: one launch per boundary] in ``dmuon/runtime/comm.py``): the forward
-gather, the backward gather (Z3), the gradient reduce, and under HSDP the replicate reduce and publish.
+gather, the backward gather (Z3), the gradient reduce, and under HSDP the replicate reduce and publish. Which
+collectives carry the shard row's phases (one launch, or node by node: [Note: node layout]) is
+``dmuon/runtime/hierarchy.py``'s.
 
 [Note: why the storage is resized instead of swapping ``.data``]
 Autograd saves views of a weight for backward. Swapping ``p.data`` would leave the old buffer alive
@@ -68,6 +70,7 @@ from .comm import CommKind
 from .config import RuntimeConfig
 from .errors import raise_internal
 from .guard import ACCESS_ATTR, INFO_ATTR, Access, TrainingPass, internal, set_access
+from .hierarchy import gather_boundary, reduce_boundary
 from .param import DedicatedParam, local
 from .precision import is_wider
 
@@ -304,8 +307,8 @@ class BoundaryGroup:
             else:
                 flat.untyped_storage().resize_(b.nbytes())
         for launch in self._launches if self.ctx.shard_size > 1 else ():  # one shard: every rank holds all
-            parts = self._parts(self.ctx.shard_size, {b.column: b.buffer() for b in launch}, launch[0].buffer())
-            self._pending_unshard.append(C.gather_parts(self.ctx, parts, kind, self.fqn))
+            parts = {b.column: b.buffer() for b in launch}
+            self._pending_unshard.append(gather_boundary(self.ctx, parts, kind, self.fqn))
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -461,8 +464,8 @@ class BoundaryGroup:
             flat_grad = torch.cat(flats) if len(flats) > 1 else flats[0]
             launches.setdefault(dtype, []).append((b, flat_grad, ready))
         for entries in launches.values():  # in bucket order: the same on every rank
-            parts = self._parts(self.ctx.shard_size, {b.column: g for b, g, _ in entries}, entries[0][1])
-            self._pending_reduce.append((C.reduce_parts(self.ctx, parts, CommKind.REDUCE, self.fqn), entries))
+            parts = {b.column: g for b, g, _ in entries}
+            self._pending_reduce.append((reduce_boundary(self.ctx, parts, CommKind.REDUCE, self.fqn), entries))
         self.backward_pending = False
         self.reshard()
         self.state = GroupState.REDUCING

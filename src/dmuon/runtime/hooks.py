@@ -112,6 +112,9 @@ class DMuonState:
         self.replicated_params: list[nn.Parameter] = []
         #: The "tp" mesh of tensor-parallel dedicated params (``dedicate_params`` sets it), or ``None``.
         self.tp_mesh: Any = None
+        #: ``dedicate_params``' owner layout, ``"flat"`` or ``"node"`` ([Note: node layout] in ``hierarchy.py``);
+        #: ``dmuon.diagnostics.summarize`` shows it.
+        self.layout = "flat" if ctx.node_size is None else "node"
         #: ``Route.MUON_SHARDED`` params by FQN, with their matrices (``dedicate_params`` sets it): Muon runs
         #: on the engine's shards of them, not on an owner ([Note: routes] in ``dmuon/runtime/route.py``).
         self.sharded_muon: dict[str, Blocks] = {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .comm_model import Group, broadcast_ms
+from ..links import Group, broadcast_ms
 from .schedules import design_parts
 from .step_model import ModelSizes, Scenario, compute_ms, exposed_ms, sizes_of
 
@@ -118,7 +118,8 @@ def _stage(sc: Scenario, sz: ModelSizes, design: str, pp: int, m: int, s: int) -
     """One stage's step: per-microbatch compute, its collectives (gathers scaled), exposure and optimizer."""
     dp = dataclasses.replace(sc, world=sc.world // pp)
     sub = stage_sizes(sz, pp, s)
-    parts = design_parts(dp, design, sizes=sub)
+    # dedicate_params takes the flat layout under pipeline stages (the node layout is not built for them yet)
+    parts = design_parts(dp, "dmuon_flat" if design == "dmuon" and pp > 1 else design, sizes=sub)
     fwd_k, bwd_k = stage_gathers(pp, m, s, sc.reshard)
     colls = []
     for c in parts["collectives"]:

@@ -30,7 +30,7 @@ from collections import defaultdict
 from typing import Any
 
 from ..partition import _count, assign_owners
-from .comm_model import Links
+from ..links import Links
 from .ns_table import BACKENDS
 from .presets import MOE_PRESETS, PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
@@ -197,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _simulate_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``--simulate`` and ``--validate`` (their defaults: the link model's, see
-    :mod:`dmuon.tools.comm_model`)."""
+    :mod:`dmuon.links`)."""
     sim = parser.add_argument_group("--simulate: the predicted step (no GPU needed)")
     links = Links()
     sim.add_argument("--simulate", action="store_true",
@@ -206,8 +206,9 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--validate", action="store_true",
                      help="print the model against every step time docs/benchmarks.md measured, and its errors")
     sim.add_argument("--designs", default="dmuon,distmuon,dion", metavar="LIST",
-                     help="designs to compare with fsdp_adamw, comma-separated, of: dmuon (ownership), distmuon "
-                          "(all-to-all, torch's NS), dion (all-to-all, pipelined) (default dmuon,distmuon,dion)")
+                     help="designs to compare with fsdp_adamw, comma-separated, of: dmuon (ownership, in the layout "
+                          "dedicate_params(layout='auto') takes), dmuon_flat / dmuon_node (ownership in that layout), "
+                          "distmuon (all-to-all, torch's NS), dion (all-to-all, pipelined) (default dmuon,distmuon,dion)")
     sim.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size (default 1)")
     sim.add_argument("--ep", type=int, default=1, metavar="E",
                      help="expert-parallel size, inside the shard group, MoE presets only (default 1)")
@@ -285,9 +286,10 @@ def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, sha
     if args.per_param or args.per_rank:
         raise ValueError("dmuon.plan: --per-param and --per-rank are options of the owner table, not of --simulate")
     designs = tuple(d.strip() for d in args.designs.split(",") if d.strip())
-    unknown = [d for d in designs if d not in MUON_DESIGNS]
+    known = (*MUON_DESIGNS, "dmuon_flat", "dmuon_node")
+    unknown = [d for d in designs if d not in known]
     if unknown or not designs:
-        raise ValueError(f"dmuon.plan: --designs takes names of {', '.join(MUON_DESIGNS)}, got {args.designs!r}")
+        raise ValueError(f"dmuon.plan: --designs takes names of {', '.join(known)}, got {args.designs!r}")
     links = Links(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
                   nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast)
     preset = (PRESETS.get(shape) or MOE_PRESETS[shape]) if isinstance(shape, str) else shape

@@ -20,11 +20,12 @@ The designs (:data:`DESIGNS`):
   stand-in for dion's own, :mod:`dmuon.tools.ns_table`) and overlaps one batch's all-to-alls with another's
   NS. Under HSDP both orthogonalise within the shard group, so every replica repeats the work. Experts,
   already whole on each rank (dim-0 shards), run a batched NS where they live in every design.
-* what-if, not in the runtime: ``dmuon_node`` (issue 32 item 2, owner groups that follow the network): on a
-  1-D mesh over several nodes each boundary's matrices are owned inside one node, and each phase moves in
-  three launches: inside the owner node (NVLink), one hop across nodes on every rail (the ranks of one local
-  index, each carrying ``1/gpus_per_node`` of the boundary), inside every node (NVLink); the gradient
-  mirrors it (reduce-scatter in each node, reduce across nodes, reduce to the owners).
+* ``dmuon_flat`` and ``dmuon_node``: ``dmuon`` in each layout of ``dedicate_params`` (``dmuon`` itself is the one
+  ``layout="auto"`` takes, :func:`auto_layout`). ``dmuon_node`` ([Note: node layout] in
+  ``dmuon/runtime/hierarchy.py``), on a 1-D mesh over two or more whole nodes: each boundary owned inside one
+  node (:func:`dmuon.partition.assign_node_owners`), each phase a broadcast (reduce) on every rail (the ranks of
+  one local index, carrying that index's bucket: about ``1/gpus_per_node`` of the boundary across the network)
+  and one launch over every node (NVLink); experts stay where the engine puts them.
 * validation only: ``naive`` (the benchmark's naive FSDP2 + Muon: every rank gathers every matrix and its
   gradient and orthogonalises all of them) and ``torch_muon`` (one unsharded ``torch.optim.Muon`` per GPU).
 """
@@ -36,23 +37,29 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any
 
-from ..partition import OwnerPlan, ParamSpec, assign_owners, ns_cost
-from .comm_model import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
+from ..layout import LayoutChoice, choose_layout
+from ..partition import OwnerPlan, ParamSpec, assign_node_owners, assign_owners, ns_cost
+from ..links import Group, all_gather_ms, all_reduce_ms, all_to_all_ms, broadcast_ms
 from .ns_table import ns_ms
 from .step_model import ModelSizes, Scenario, adamw_ms, compute_ms, exposed_ms, muon_update_ms, sizes_of
 
-__all__ = ["DESIGNS", "WHAT_IF_DESIGNS", "VALIDATION_DESIGNS", "DMUON_COMM", "design_parts", "simulate_design",
+__all__ = ["DESIGNS", "LAYOUT_DESIGNS", "WHAT_IF_DESIGNS", "auto_layout", "node_layout_allowed", "VALIDATION_DESIGNS", "DMUON_COMM", "design_parts", "simulate_design",
            "dmuon_schedule", "expert_counts", "owner_plan"]
 
 DESIGNS = {
     "fsdp_adamw": "FSDP2 + AdamW on everything (the baseline)",
-    "dmuon": "persistent ownership: broadcast before each boundary, reduce to the owner, NS where it is owned",
+    "dmuon": "persistent ownership: broadcast before each boundary, reduce to the owner, NS where it is owned; "
+             "in the layout dedicate_params(layout='auto') takes",
     "distmuon": "all-to-all design with torch's NS per matrix, all-to-alls not overlapped (torchtitan)",
     "dion": "all-to-all design, batches of the shard group, NS overlapped with the all-to-alls (microsoft/dion)",
 }
-WHAT_IF_DESIGNS = {
-    "dmuon_node": "dmuon with each boundary owned inside one node: one hop across nodes per phase (not built)",
+#: dmuon in each layout of ``dedicate_params`` (``"dmuon"`` is the one ``layout="auto"`` takes)
+LAYOUT_DESIGNS = {
+    "dmuon_flat": "dmuon with layout='flat': owners anywhere in the mesh, each phase one launch over every rank",
+    "dmuon_node": "dmuon with layout='node': each boundary owned inside one node, a rail broadcast and a node "
+                  "gather per phase",
 }
+WHAT_IF_DESIGNS: dict[str, str] = {}
 VALIDATION_DESIGNS = {
     "naive": "every rank all-gathers each Muon matrix and gradient in step() and orthogonalises all of them",
     "torch_muon": "one unsharded model per GPU, torch.optim.Muon + AdamW, no communication",
@@ -197,7 +204,12 @@ DMUON_COMM = {"dmuon forward broadcast": ("forward_broadcast", "shard"),
               "dmuon backward broadcast": ("backward_broadcast", "shard"),
               "dmuon reduce": ("reduce", "shard"), "dmuon replicate reduce": ("reduce", "replicate"),
               "dmuon replicate publish": ("replicate_publish", "replicate"), "dmuon tp exchange": ("tp_exchange", "tp"),
-              "dmuon expert gather": ("sharded_update", "replicate")}
+              "dmuon expert gather": ("sharded_update", "replicate"),
+              "dmuon forward broadcast (rail)": ("forward_broadcast", "rail"),
+              "dmuon forward gather (node)": ("forward_broadcast", "node"),
+              "dmuon backward broadcast (rail)": ("backward_broadcast", "rail"),
+              "dmuon backward gather (node)": ("backward_broadcast", "node"),
+              "dmuon reduce (node)": ("reduce", "node"), "dmuon reduce (rail)": ("reduce", "rail")}
 
 
 def _dmuon_plan(sc: Scenario, sz: ModelSizes) -> OwnerPlan:
@@ -231,53 +243,81 @@ def _dmuon_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, column: int) -> l
     return colls
 
 
-def _node_comm(sc: Scenario, sz: ModelSizes) -> list[dict[str, Any]]:
-    """``dmuon_node``'s three launches per boundary and phase (module docstring), on a rank of the node that owns
-    the most boundaries."""
-    n, L = sc.links.gpus_per_node, sz.layers
-    nodes, nb = sc.shard // n, sz.muon_elements * sc.dtype_bytes
-    node, rail = Group(n, 1), Group(nodes, n)
-    mine = -(-L // nodes)  # boundaries owned in this node, round-robin
+def _node_plan(sc: Scenario, sz: ModelSizes) -> OwnerPlan:
+    """``dedicate_params(layout="node")``'s plan: :func:`dmuon.partition.assign_node_owners`, experts preloaded as
+    in :func:`_dmuon_plan`."""
+    n = sc.links.gpus_per_node
+    flat = _dmuon_plan(sc, sz)
+    preload = [r.engine_cost for r in flat.ranks] if sz.experts else None
+    return assign_node_owners([ParamSpec(fqn, shape, layer) for fqn, shape, layer in sz.muon], sc.shard // n, n,
+                              preload=preload)
+
+
+def _node_comm(sc: Scenario, sz: ModelSizes, plan: OwnerPlan, slot: int) -> list[dict[str, Any]]:
+    """The node layout's collectives of one step on the rank at ``slot``, as the runtime issues them ([Note: node
+    layout] in ``dmuon/runtime/hierarchy.py``): per boundary and phase one rail broadcast (reduce) of the bucket
+    of this rank's local index, where the owner node has one, and one launch over the node of every bucket."""
+    n, b, L = sc.links.gpus_per_node, sc.dtype_bytes, sz.layers
+    node, rail = Group(n, 1), Group(sc.shard // n, n)
+    local = slot % n
+    mine = [(layer, r * c) for fqn, (r, c), layer in sz.muon if plan.owners[fqn] % n == local]
+    rb, rc = sum(e for _, e in mine) * b, len({layer for layer, _ in mine})
+    nb, nc = sz.muon_elements * b, len({layer for _, _, layer in sz.muon})
+    phases = [("forward", "forward")] + ([("backward", "backward")] if sc.reshard == "z3" else [])
     colls = []
-    for phase, what in (("forward", "forward"), ("backward", "backward")) if sc.reshard == "z3" else (
-            ("forward", "forward"),):
-        colls += [_coll(sc, f"dmuon {what} broadcast (owner node)", phase, "broadcast", node, nb * mine / L, mine,
-                        mine),
-                  _coll(sc, f"dmuon {what} broadcast (across nodes)", phase, "broadcast", rail, nb / n, L, L),
-                  _coll(sc, f"dmuon {what} all-gather (in node)", phase, "gather", node, nb, L, L)]
-    return colls + [_coll(sc, "dmuon reduce-scatter (in node)", "backward", "gather", node, nb, L, L),
-                    _coll(sc, "dmuon reduce (across nodes)", "backward", "broadcast", rail, nb / n, L, L),
-                    _coll(sc, "dmuon reduce (owner node)", "backward", "broadcast", node, nb * mine / L, mine, mine)]
+    for phase, what in phases:
+        colls += [_coll(sc, f"dmuon {what} broadcast (rail)", phase, "broadcast", rail, rb, rc, L),
+                  _coll(sc, f"dmuon {what} gather (node)", phase, "broadcast", node, nb, nc, L)]
+    return colls + [_coll(sc, "dmuon reduce (node)", "backward", "broadcast", node, nb, nc, L),
+                    _coll(sc, "dmuon reduce (rail)", "backward", "broadcast", rail, rb, rc, L)]
+
+
+def node_layout_allowed(sc: Scenario) -> bool:
+    """Whether ``dedicate_params`` takes the node layout on ``sc``: a 1-D mesh of two or more whole nodes."""
+    n = sc.links.gpus_per_node
+    return sc.replicas == 1 and sc.tp == 1 and sc.shard % n == 0 and sc.shard // n >= 2
 
 
 def _dmuon_node(sc: Scenario, sz: ModelSizes) -> dict[str, Any]:
-    """``dmuon_node``: as ``dmuon``, its shard-group phases replaced by :func:`_node_comm`, its owner plan made per
-    node (the boundaries dealt round-robin to the nodes, each node's matrices planned over its ranks)."""
+    """``dmuon_node``: ``dmuon`` under ``layout="node"`` ([Note: node layout]): its owner plan per node, its shard-row
+    phases replaced by :func:`_node_comm` on the busiest rank; FSDP2's and the experts' parts as ``dmuon``'s."""
     n = sc.links.gpus_per_node
-    if sc.replicas > 1 or sc.tp > 1 or sz.experts or sc.shard % n or sc.shard == n:
-        raise ValueError(f"dmuon.plan: dmuon_node models a 1-D mesh over several whole nodes of a dense model, got "
-                         f"{sc.replicas} x {sc.shard}, tp {sc.tp}, {sc.links.gpus_per_node} GPUs a node")
+    if not node_layout_allowed(sc):
+        raise ValueError(f"dmuon.plan: the node layout needs a 1-D mesh over two or more whole nodes, got "
+                         f"{sc.replicas} x {sc.shard}, tp {sc.tp}, {n} GPUs a node")
     out = _dmuon(sc, sz)
-    layers = sorted({layer for _, _, layer in sz.muon},
-                    key=lambda x: [int(t) if t.isdigit() else t for t in x.split(".")])
-    ours = set(layers[:: sc.shard // n])  # node 0's boundaries
-    plan = owner_plan(tuple(m for m in sz.muon if m[2] in ours), n, None)
-    ns = [_dmuon_ns(dataclasses.replace(sc, world=n), sz, plan, s) for s in range(n)]
-    busiest = max(range(n), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel, sc.dtype_bytes))
-    out["collectives"] = [c for c in out["collectives"] if not c["name"].startswith("dmuon")] + _node_comm(sc, sz)
+    plan = _node_plan(sc, sz)
+    ns = [_dmuon_ns(sc, sz, plan, s) for s in range(sc.shard)]
+    busiest = max(range(sc.shard), key=lambda s: ns[s] + muon_update_ms(plan.ranks[s].numel, sc.dtype_bytes))
+    rail = max(range(n), key=lambda j: sum(r * c for f, (r, c), _ in sz.muon if plan.owners[f] % n == j))
+    local = _expert_share(sc, sz, busiest) * sz.layers * sum(r * c for r, c in sz.expert_params)
+    out["collectives"] = ([c for c in out["collectives"] if not c["name"].startswith("dmuon")]
+                          + _node_comm(sc, sz, plan, rail))
     out.update(ns_ms=ns[busiest], ns_rank=busiest, plan=plan, idle_owners=sum(1 for r in plan.ranks if not r.fqns),
-               elementwise_ms=muon_update_ms(plan.ranks[busiest].numel, sc.dtype_bytes)
+               elementwise_ms=muon_update_ms(plan.ranks[busiest].numel + local, sc.dtype_bytes)
                + adamw_ms(sz.rest / sc.shard, sc.dtype_bytes))
     return out
 
 
-def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None
+def auto_layout(sc: Scenario, sz: ModelSizes | None = None) -> LayoutChoice:
+    """What ``dedicate_params(layout="auto")`` takes on ``sc``: :func:`dmuon.layout.choose_layout` on the model's
+    boundaries, ``"flat"`` where the node layout is not allowed."""
+    sz = sizes_of(sc.shape, sc.seq) if sz is None else sz
+    per_layer: dict[str, int] = {}
+    for _, (r, c), layer in sz.muon:
+        per_layer[layer] = per_layer.get(layer, 0) + r * c * sc.dtype_bytes
+    n = sc.links.gpus_per_node if node_layout_allowed(sc) else sc.shard
+    return choose_layout(list(per_layer.values()), sc.shard, n, z3=sc.reshard == "z3", links=sc.links)
+
+
+def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None, layout: str = "flat"
                    ) -> dict[tuple[str, str], dict[str, int]]:
     """What dmuon's runtime launches in one training step (forward, backward, ``step()``) on the rank at owner
     slot ``slot`` (``replicate index x shard + shard index``): ``{(kind, dim): {"calls", "bytes"}}``, named as
     ``dmuon.diagnostics.comm_counts`` names them (``bytes``: the payload, every part of a launch). ``sizes``:
     the model's matrices as it names them (default: the preset's, :func:`sizes_of`). Without tensor
-    parallelism: its exchange depends on the busiest owner's shape groups only.
+    parallelism: its exchange depends on the busiest owner's shape groups only. ``layout``: ``dedicate_params``'
+    ``"flat"`` or ``"node"`` (nodes of ``sc.links.gpus_per_node`` ranks).
 
     Example::
 
@@ -290,7 +330,13 @@ def dmuon_schedule(sc: Scenario, *, slot: int, sizes: ModelSizes | None = None
         raise ValueError(f"dmuon_schedule: slot must be in [0, {sc.shard * sc.replicas}) and tp 1, got slot "
                          f"{slot!r}, tp {sc.tp}")
     out: dict[tuple[str, str], dict[str, int]] = {}
-    for c in _dmuon_comm(sc, sz, _dmuon_plan(sc, sz), slot % sc.shard):
+    if layout == "node":
+        if not node_layout_allowed(sc):
+            raise ValueError("dmuon_schedule: layout='node' needs a 1-D mesh over two or more whole nodes")
+        colls = _node_comm(sc, sz, _node_plan(sc, sz), slot)
+    else:
+        colls = _dmuon_comm(sc, sz, _dmuon_plan(sc, sz), slot % sc.shard)
+    for c in colls:
         if c["calls"]:
             out[DMUON_COMM[c["name"]]] = {"calls": c["calls"], "bytes": round(c["payload"])}
     return out
@@ -373,7 +419,9 @@ def design_parts(sc: Scenario, design: str, *, sizes: ModelSizes | None = None,
     sz = sizes_of(sc.shape, sc.seq) if sizes is None else sizes
     if design == "fsdp_adamw":
         parts = _baseline(sc, sz)
-    elif design == "dmuon":
+    elif design == "dmuon":  # what layout="auto" takes
+        parts = _dmuon_node(sc, sz) if auto_layout(sc, sz).layout == "node" else _dmuon(sc, sz)
+    elif design == "dmuon_flat":
         parts = _dmuon(sc, sz)
     elif design == "dmuon_node":
         parts = _dmuon_node(sc, sz)
@@ -385,7 +433,7 @@ def design_parts(sc: Scenario, design: str, *, sizes: ModelSizes | None = None,
         parts = _torch_muon(sc, sz)
     else:
         raise ValueError(f"dmuon.plan: unknown design {design!r}; one of "
-                         f"{', '.join([*DESIGNS, *WHAT_IF_DESIGNS, *VALIDATION_DESIGNS])}")
+                         f"{', '.join([*DESIGNS, *LAYOUT_DESIGNS, *VALIDATION_DESIGNS])}")
     return parts
 
 

@@ -2,7 +2,7 @@
 validation against the measured runs, as tables, JSON or a chart.
 
 The model is in :mod:`dmuon.tools.step_model` (compute, overlap, element-wise work),
-:mod:`dmuon.tools.schedules` (what each design sends and computes), :mod:`dmuon.tools.comm_model` (links) and
+:mod:`dmuon.tools.schedules` (what each design sends and computes), :mod:`dmuon.links` (links) and
 :mod:`dmuon.tools.ns_table` (measured Newton–Schulz); :mod:`dmuon.tools.measured` holds the measured runs.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from .measured import KNOWN_MISSES, validate
-from .schedules import DESIGNS, simulate_design
+from .schedules import DESIGNS, auto_layout, node_layout_allowed, simulate_design
 from .step_model import OVERLAP, Scenario, sizes_of
 
 __all__ = ["simulate", "sweep", "tokens_for_overhead", "format_simulation", "format_sweep", "format_validation",
@@ -39,11 +39,16 @@ def simulate(sc: Scenario, designs: tuple[str, ...] = tuple(DESIGNS)) -> dict[st
     for r in results.values():
         r["overhead"] = r["step_ms"] / base - 1
     slots = sc.world // sc.tp
+    pick = auto_layout(sc, sz)
+    layout = {"layout": pick.layout, "why": pick.why(), "flat_comm_ms": pick.flat_ms, "node_comm_ms": pick.node_ms}
+    if node_layout_allowed(sc):
+        layout.update(flat_step_ms=simulate_design(sc, "dmuon_flat")["step_ms"],
+                      node_step_ms=simulate_design(sc, "dmuon_node")["step_ms"])
     return {
         "preset": sc.shape.name, "world_size": sc.world, "replicas": sc.replicas, "shard": sc.shard, "tp": sc.tp,
         "ep": sc.ep, "tokens_per_rank": sc.tokens, "batch": sc.batch, "seq": sc.seq, "reshard": sc.reshard,
         "links": dataclasses.asdict(sc.links), "overlap": OVERLAP, "dense_muon_matrices": len(sz.muon),
-        "owner_slots": slots, "more_slots_than_matrices": slots > len(sz.muon),
+        "owner_slots": slots, "more_slots_than_matrices": slots > len(sz.muon), "dmuon_layout": layout,
         "designs": {d: {k: v for k, v in r.items() if k != "plan"} for d, r in results.items()},
     }
 
@@ -144,6 +149,12 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
                  "designs' step() all-to-alls included);\nGB/rank: what each rank sends per step, summed over its "
                  "collectives")
     dm = res["designs"].get("dmuon")
+    lay = res.get("dmuon_layout")
+    if dm and lay:
+        lines.append(f"dmuon: dedicate_params(layout='auto') takes {lay['why']}; predicted step "
+                     f"{lay['flat_step_ms']:.1f} ms flat, {lay['node_step_ms']:.1f} ms node" if "node_step_ms" in lay
+                     else "dmuon: dedicate_params(layout='auto') takes layout 'flat' (the node layout needs a 1-D "
+                     "mesh over 2+ whole nodes)")
     if dm and res["more_slots_than_matrices"]:
         lines.append(f"note: {res['owner_slots']} owner slots but {res['dense_muon_matrices']} dense Muon matrices: "
                      f"{dm.get('idle_owners', 0)} slots own none; dmuon's NS is at its floor (one matrix's)")

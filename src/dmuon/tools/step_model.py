@@ -4,7 +4,7 @@ A step is forward + backward (the model's flops at a measured rate, with a host 
 phase's collectives that compute does not hide, plus the optimizer step (Newton–Schulz of the busiest rank
 from :mod:`dmuon.tools.ns_table`, the element-wise updates from bytes and a measured bandwidth, and the
 collectives a design issues inside ``step()``). Which collectives each design issues is in
-:mod:`dmuon.tools.schedules`; how long each takes, in :mod:`dmuon.tools.comm_model`.
+:mod:`dmuon.tools.schedules`; how long each takes, in :mod:`dmuon.links`.
 
 Every constant below is a measurement of ``docs/benchmarks.md`` or an assumption, and says which.
 [Note: exposed communication] A phase's collectives run on their own streams while the phase computes. The
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .comm_model import Links
+from ..links import Links
 from .presets import LlamaShape, MoEShape, attention_specs, projection_specs
 
 __all__ = ["Scenario", "ModelSizes", "OVERLAP", "COMPUTE_ANCHORS", "sizes_of", "compute_ms", "adamw_ms",

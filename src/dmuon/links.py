@@ -1,4 +1,6 @@
-"""The link model of ``python -m dmuon.plan --simulate``: how long one collective takes on a group of ranks.
+"""The link model of ``python -m dmuon.plan --simulate`` and of ``dedicate_params(layout="auto")``: how long one
+collective takes on a group of ranks. Pure Python, in the library so that the layout decision
+(:mod:`dmuon.layout`) can use it; the planner (``dmuon/tools``) uses it too.
 
 Ranks are numbered node by node (``gpus_per_node`` consecutive ranks share a node's NVLink), tensor
 parallelism innermost, then the shard dimension, then HSDP's replicate dimension. A group whose ranks all sit
