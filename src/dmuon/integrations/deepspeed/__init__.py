@@ -47,6 +47,7 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -61,6 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ...runtime.hooks import STATE_ATTR
 from ._checks import agree, problems
 from ._drive import Drive
+from ._zero3 import Zero3, hidden
 
 __all__ = ["install", "uninstall", "is_installed"]
 
@@ -89,8 +91,10 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         dedicated = [dp.bound() for dp in state.dedicated()]
         for p in dedicated:
             setattr(p, _NO_BROADCAST, True)
+        stage3 = int(bound.arguments["config_class"].zero_optimization_stage) == 3
         try:
-            original(*bound.args, **bound.kwargs)
+            with hidden(state) if stage3 else contextlib.nullcontext():  # [Note: DeepSpeed ZeRO-3]
+                original(*bound.args, **bound.kwargs)
         finally:
             for p in dedicated:
                 if hasattr(p, _NO_BROADCAST):
@@ -125,6 +129,8 @@ def install() -> None:
     if is_installed():
         return
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     params = tuple(inspect.signature(DeepSpeedEngine.__init__).parameters)
@@ -132,6 +138,10 @@ def install() -> None:
     missing += [f"DeepSpeedEngine.{n}" for n in Drive.ENGINE_METHODS if not callable(getattr(DeepSpeedEngine, n, None))]
     missing += [f"DeepSpeedZeroOptimizer.{n}" for n in Drive.ZERO_METHODS
                 if not callable(getattr(DeepSpeedZeroOptimizer, n, None))]
+    missing += [f"DeepSpeedZeroOptimizer_Stage3.{n}" for n in Zero3.ZERO_METHODS
+                if not callable(getattr(DeepSpeedZeroOptimizer_Stage3, n, None))]
+    missing += [f"DeepSpeedZeRoOffload.{n}" for n in Zero3.OFFLOAD_METHODS
+                if not callable(getattr(DeepSpeedZeRoOffload, n, None))]
     missing += [f"BF16_Optimizer.{n}" for n in Drive.BF16_METHODS if not callable(getattr(BF16_Optimizer, n, None))]
     if missing:
         raise RuntimeError(

@@ -44,6 +44,7 @@ from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
 from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_of, part_problems
 from ._stage0 import Stage0
+from ._zero3 import Zero3
 
 __all__ = ["Drive"]
 
@@ -105,6 +106,8 @@ class Drive:
         zero = engine.optimizer
         if self.stage == 0:  # no ZeRO optimizer: the engine's own methods ([Note: DeepSpeed stage 0])
             Stage0(self.state, self.muon, self.facade, engine, self.follow_schedule).attach()
+        elif self.stage == 3:  # ZeRO-3's optimizer and its parameter coordinator ([Note: DeepSpeed ZeRO-3])
+            Zero3(self.state, self.muon, engine, self.follow_schedule).attach()
         else:  # ZeRO-1/2's optimizer, or at stage 1 in bf16 with fp32 accumulation DeepSpeed's BF16_Optimizer
             self.bf16_optimizer = _is_bf16_optimizer(zero)
             joins = ("step", "get_grads_for_norm", "zero_grad") if self.bf16_optimizer else \
