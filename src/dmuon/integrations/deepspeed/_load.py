@@ -131,8 +131,10 @@ def read_and_check(engine: Any, state: DMuonState, muon: Muon, load_dir: str, ta
     path = _zero_file(engine, load_dir, tag)
     zero = files.load(path, problems)
     if zero is not None:
-        base = (zero.get("optimizer_state_dict") or {}).get("base_optimizer_state") if isinstance(zero, Mapping) \
-            else None
+        # ZeRO-1/2 keep the facade's dict as "base_optimizer_state", ZeRO-3 as "optimizer_state_dict"
+        inner = (zero.get("optimizer_state_dict") or {}) if isinstance(zero, Mapping) else {}
+        base = inner.get("optimizer_state_dict" if int(engine.zero_optimization_stage()) == 3 else
+                         "base_optimizer_state") if isinstance(inner, Mapping) else None
         part = base.get(STATE_KEY) if isinstance(base, Mapping) else None
         problems += part_problems(part, state, muon, path)
     return files, sd, problems

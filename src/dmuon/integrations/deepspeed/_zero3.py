@@ -33,6 +33,7 @@ gradients as well, except the call ZeRO-3 makes inside its own step, before dmuo
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -209,7 +210,7 @@ def _mark(p: nn.Parameter, ds_id: int, status: Any) -> None:
     p.ds_secondary_tensor = None
     p.nvme_swapper = None
     p.ds_shape = p.shape
-    p.ds_numel = 0  # never counted among the params ZeRO-3 gathered
+    p.ds_numel = math.prod(p.shape)  # trainable, so DeepSpeed's save does not take it for a frozen param
 
     def partition(*args: Any, **kwargs: Any) -> None:
         p.ds_status = status.NOT_AVAILABLE  # for release_and_reset_all's check; Zero3._release_all undoes it
