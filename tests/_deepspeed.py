@@ -142,9 +142,17 @@ def step_too(model: torch.nn.Module, opt: dmuon.Muon) -> Callable[[], None]:
     return extra.step
 
 
+def zero3_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The params ZeRO-3 partitioned (each holds its slice in ``ds_tensor``; the dedicated ones hold none)."""
+    return [p for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
+
+
 def result(model: torch.nn.Module, trained: dict[str, list[float]]) -> dict[str, Any]:
     """What a job returns for one run: losses, norms, every weight whole, and this rank's own copy of each param
-    ZeRO trains (to compare the ranks)."""
+    ZeRO trains (to compare the ranks; under ZeRO-3 gathered with DeepSpeed's ``GatheredParameters``)."""
+    import deepspeed
+
     dedicated = dmuon.get_dedicated_params(model)
-    local = {n: p.detach().clone() for n, p in model.named_parameters() if n not in dedicated}
-    return {**trained, "weights": full_weights(model), "local": local}
+    with deepspeed.zero.GatheredParameters(zero3_params(model)):
+        local = {n: p.detach().clone() for n, p in model.named_parameters() if n not in dedicated}
+        return {**trained, "weights": full_weights(model), "local": local}

