@@ -2,7 +2,8 @@
 ``dmuon/integrations/deepspeed/_zero3.py``): the dedicated params stay out of ZeRO-3's partitioning, hooks and
 optimizer. On 2 and 4 gloo ranks, accumulation 1 and 2, DeepSpeed's ``gradient_clipping`` off and on, training
 matches single-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` (DeepSpeed's norm equals torch's over every
-gradient); runs where ZeRO-3 also averaged (partitioned) or stepped the dedicated params miss it.
+gradient), also for a model built under ``deepspeed.zero.Init`` (every param partitioned at construction); runs
+where ZeRO-3 also averaged (partitioned) or stepped the dedicated params miss it.
 ``engine.save_checkpoint`` / ``load_checkpoint`` restart bit-identically, and the 2-rank checkpoint is refused on
 4 ranks, on every rank, before anything changes. One launch per world size."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests._asserts import assert_bitwise, assert_close_to, worst_weight
-from tests._deepspeed import Run, build, reduce_again, result, setup, step_too, train
+from tests._deepspeed import Run, build, build_zero_init, reduce_again, result, setup, step_too, train
 from tests._dist import run_distributed
 from tests._training import train_oracle
 
@@ -27,6 +28,8 @@ WRONG = [Run(3, 1, MAX_NORM, wrong="reduce"), Run(3, 1, wrong="step")]
 #: DeepSpeed's norm against torch's on one process (the runs drift apart by bf16 rounding in NS; 7e-5 measured)
 NORM_RTOL = 1e-3
 RESTART = Run(3, 2, MAX_NORM)
+#: the model built under deepspeed.zero.Init (every param partitioned at construction)
+ZERO_INIT = Run(3, 2, MAX_NORM)
 
 
 def _runs(rank: int, world: int, runs: list[Run]) -> dict:
@@ -43,6 +46,9 @@ def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
     a fresh engine loads and trains the same 2 again."""
     setup(rank)
     out = _runs(rank, world, RUNS[world] + WRONG)
+    engine, model, _, partitioned = build_zero_init(world, ZERO_INIT)
+    out["zero_init"] = result(model, train(engine, model, rank, world, ZERO_INIT, range(STEPS)))
+    out["zero_init"]["partitioned"] = partitioned
     engine, model, _ = build(world, RESTART)
     head = train(engine, model, rank, world, RESTART, range(2))
     engine.save_checkpoint(ckpt, tag="step2")
@@ -97,6 +103,11 @@ def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_pa
         assert losses > 1e-4 or weights > 5e-3 or norms > NORM_RTOL, (run.name, losses, weights, norms)
     for r in results:
         assert_bitwise(r["resumed"], r["whole"], "ZeRO-3 restart")
+    assert_close_to(results[0]["whole"], train_oracle(4, max_norm=MAX_NORM), "2 ranks, accumulation 2, clipping")
+    got = results[0]["zero_init"]
+    assert got["partitioned"] == len(got["weights"]), "zero.Init did not partition every param"
+    assert_close_to(got, oracles[MAX_NORM], "2 ranks, zero.Init")
+    assert _norm_error(got, oracles[MAX_NORM]) <= NORM_RTOL, got["norms"]
     tail = run_distributed(four_rank_job, 4, ckpt)
     _check_parity(tail, RUNS[4], oracles, 4)
     for r in tail:

@@ -186,6 +186,7 @@ def dedicate_params(
     install_patch()
     # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
     try:
+        engines.take_whole(model, predicate)  # DeepSpeed's zero.Init: the selected params whole again
         v = _validate(model, mesh, predicate, route, blocks, replicate_mesh, hook_boundary_predicate,
                       hook_boundary_strict, RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))

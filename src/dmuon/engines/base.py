@@ -26,7 +26,7 @@ optimizer was built; ``deepspeed.initialize`` for DeepSpeed) and stores the bind
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -79,6 +79,11 @@ class Engine:
     @classmethod
     def refuse_taken(cls, model: nn.Module) -> None:
         """``dedicate_params``: raise ``ValueError`` naming the fix if this engine already took ``model``."""
+
+    @classmethod
+    def take_whole(cls, model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None) -> None:
+        """``dedicate_params``, before its checks: where this engine partitioned params at construction, each
+        one ``predicate`` selects made whole again and left to dmuon (the values unchanged). Collective there."""
 
     @classmethod
     def leave_dedicated(cls, model: nn.Module, fqns: list[str]) -> None:

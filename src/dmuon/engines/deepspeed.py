@@ -25,7 +25,7 @@ restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .base import Engine
 
-__all__ = ["DeepSpeed", "is_deepspeed_engine", "zero_managed"]
+__all__ = ["DeepSpeed", "is_deepspeed_engine", "partitioned_at_construction", "zero_managed"]
 
 
 def is_deepspeed_engine(model: Any) -> bool:
@@ -46,8 +46,19 @@ def is_deepspeed_engine(model: Any) -> bool:
 def zero_managed(model: nn.Module) -> list[str]:
     """The params of ``model`` a ZeRO optimizer already took (``deepspeed.initialize`` ran on it): ZeRO-1/2 links
     each to its fp32 slice (``_hp_mapping``, what DeepSpeed's own ``safe_get_full_fp32_param`` looks for), ZeRO-3
-    gives each an id (``ds_id``)."""
-    return [n for n, p in model.named_parameters() if hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")]
+    gives each an id (``ds_id``) and the model its registry of params in flight. ``deepspeed.zero.Init`` alone
+    (no engine yet) gives ids only: see :func:`partitioned_at_construction`."""
+    engine_z3 = hasattr(model, "ds_inflight_param_registry")
+    return [n for n, p in model.named_parameters()
+            if hasattr(p, "_hp_mapping") or (engine_z3 and hasattr(p, "ds_id"))]
+
+
+def partitioned_at_construction(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The params ``deepspeed.zero.Init`` partitioned when the model was built (each has ZeRO-3's ``ds_id`` and
+    holds its slice in ``ds_tensor``), before any engine took the model; in module order, the same on every rank."""
+    if hasattr(model, "ds_inflight_param_registry"):
+        return []
+    return [(n, p) for n, p in model.named_parameters() if getattr(p, "ds_tensor", None) is not None]
 
 
 class DeepSpeed(Engine):
@@ -80,6 +91,35 @@ class DeepSpeed(Engine):
                 "...) and build dmuon.Muon(model, ...) first, then engine, optimizer, _, _ = "
                 "deepspeed.initialize(model=model, optimizer=optimizer, config=...). Nothing was changed."
             )
+
+    @classmethod
+    def take_whole(cls, model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None) -> None:
+        """[Note: zero.Init models]: each param ``deepspeed.zero.Init`` partitioned is gathered whole on every
+        rank once, one at a time (DeepSpeed's ``GatheredParameters``), and ``predicate`` sees it whole; one it
+        selects leaves ZeRO-3 as a new plain ``nn.Parameter`` holding that value, which ``dedicate_params`` then
+        binds to its owner (the other ranks drop it there). The others go back to their slices, as they were.
+        Every gather runs on every rank even after the predicate raised on one (that error is raised after the
+        last gather), so no rank waits for another."""
+        found = partitioned_at_construction(model)
+        if not found or predicate is None:
+            return
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        whole: dict[int, nn.Parameter] = {}
+        error: BaseException | None = None
+        for fqn, p in found:
+            with GatheredParameters([p]), torch.no_grad():
+                try:
+                    if error is None and predicate(fqn, p):
+                        whole[id(p)] = nn.Parameter(p.data.clone(), requires_grad=p.requires_grad)
+                except Exception as e:  # noqa: BLE001 - raised after the last gather, on this rank
+                    error = e
+        if error is not None:
+            raise error
+        for m in model.modules():
+            for k, v in list(m._parameters.items()):
+                if v is not None and id(v) in whole:
+                    m._parameters[k] = whole[id(v)]
 
     # ------------------------------------------------------------------ #
     # The binding                                                          #
