@@ -27,7 +27,7 @@ optimizer was built; ``deepspeed.initialize`` for DeepSpeed) and stores the bind
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -170,6 +170,12 @@ class Engine:
 
     def check_optimizer_dict(self, *, sharded: bool) -> None:
         """Raise where the engine's part of a (``sharded``) optimizer state dict cannot be formed."""
+
+    def full_params(self, *, write: bool = False) -> AbstractContextManager[Any]:
+        """While the block runs, every param the engine keeps in slices between uses (DeepSpeed ZeRO-3) is whole
+        on every rank, so the model's state dict functions read and write it like a plain one; ``write``: what
+        the block writes into them is kept (rank 0's values). Here: nothing to do. Collective where it gathers."""
+        return nullcontext()
 
     def describe(self) -> dict[str, Any]:
         """What ``repr`` and messages show of this binding."""

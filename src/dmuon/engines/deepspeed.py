@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -130,9 +130,25 @@ class DeepSpeed(Engine):
         return self.wrapper.optimizer  # type: ignore[union-attr]
 
     @property
+    def stage(self) -> int:
+        """The bound engine's ZeRO stage."""
+        return int(self.wrapper.zero_optimization_stage())  # type: ignore[union-attr]
+
+    @property
     def stage0(self) -> bool:
         """ZeRO stage 0: no ZeRO optimizer; the engine steps a torch ``AdamW`` over the model's own params."""
-        return int(self.wrapper.zero_optimization_stage()) == 0  # type: ignore[union-attr]
+        return self.stage == 0
+
+    def full_params(self, *, write: bool = False) -> AbstractContextManager[Any]:
+        """ZeRO-3: the params it partitioned (each holds its slice in ``ds_tensor``; the dedicated ones hold none),
+        gathered whole on every rank by DeepSpeed's ``GatheredParameters`` for the block; ``write``: rank 0's values
+        are broadcast and partitioned again on the way out (its ``modifier_rank``). Collective."""
+        if self.stage != 3:
+            return nullcontext()
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        params = [p for p in self.model.parameters() if getattr(p, "ds_tensor", None) is not None]
+        return GatheredParameters(params, modifier_rank=0 if write else None)
 
     def accumulation_boundary(self) -> bool | None:
         engine: Any = self.wrapper
@@ -228,6 +244,13 @@ class DeepSpeed(Engine):
         return {}
 
     def check_optimizer_dict(self, *, sharded: bool) -> None:
+        if self.stage == 3:
+            raise ValueError(
+                "dmuon's optimizer state dicts (get_optimizer_state_dict / get_state_dict and their setters) on a "
+                "DeepSpeed ZeRO-3 model: ZeRO-3 keeps the AdamW state in per-rank sub-group slices that these dicts "
+                "do not read yet. Save and resume with engine.save_checkpoint / engine.load_checkpoint (same number "
+                "of ranks); dmuon.get_model_state_dict works (it gathers ZeRO-3's params)."
+            )
         if sharded:
             raise ValueError(
                 "dmuon.get_optimizer_state_dict(sharded=True) on a DeepSpeed model: ZeRO keeps the AdamW state in "

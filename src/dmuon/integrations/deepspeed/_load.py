@@ -169,8 +169,11 @@ class Staged:
                 if dp.master is not None:
                     self._tensor(dp.master)
             slices = getattr(zero, "single_partition_of_fp32_groups", getattr(zero, "fp32_groups_flat_partition", ()))
+            slices = [*slices, *getattr(zero, "fp32_partitioned_groups_flat", ()),  # ZeRO-3's, and its params'
+                      *getattr(zero, "fp16_partitioned_groups_flat", ())]           # slices (the ds_tensors)
             for t in slices:  # ZeRO-1/2's, or BF16_Optimizer's
-                self._tensor(t)
+                if t is not None:
+                    self._tensor(t)
             self._map(muon.state, deep=True)
             for g in muon.param_groups:  # dmuon's groups and the facade's (shared) group dicts
                 self._map(g)

@@ -14,8 +14,9 @@ the way ZeRO-3 itself tells its own params apart, by their ``ds_*`` attributes, 
   see, and its optimizer gets the facade's groups (the other params) only;
 * afterwards each dedicated param carries the marks of a ZeRO-3 param that is whole and persistent
   (``ds_status`` AVAILABLE, ``ds_persist``, ``is_external_param``, a ``ds_id`` below ZeRO's, the same on every
-  rank): the per-module hooks then neither gather nor free it, and ZeRO's ``__getitem__`` hands it out as it is. dmuon's own hooks broadcast
-  it from its owner before its boundary runs and reduce its gradient after, as under FSDP2.
+  rank): the per-module hooks then neither gather nor free it, and ZeRO's ``__getitem__`` hands it out as it is.
+  dmuon's own hooks broadcast it from its owner before its boundary runs and reduce its gradient after, as under
+  FSDP2.
 
 One method of ZeRO-3's ``DeepSpeedZeRoOffload`` changes on that one object: ``partition_all_parameters`` (at every
 step) calls each param's ``partition`` and then requires it NOT_AVAILABLE; a dedicated param's ``partition`` only
