@@ -5,7 +5,8 @@ matches single-process ``torch.optim.Muon`` + ``torch.optim.AdamW`` (DeepSpeed's
 gradient), also for a model built under ``deepspeed.zero.Init`` (every param partitioned at construction); runs
 where ZeRO-3 also averaged (partitioned) or stepped the dedicated params miss it.
 ``engine.save_checkpoint`` / ``load_checkpoint`` restart bit-identically, and the 2-rank checkpoint is refused on
-4 ranks, on every rank, before anything changes. One launch per world size."""
+4 ranks, on every rank, before anything changes. ``dmuon.get_model_state_dict`` gathers ZeRO-3's params and
+``set_model_state_dict`` writes them back; dmuon's optimizer dicts are refused. One launch per world size."""
 
 from __future__ import annotations
 
@@ -41,20 +42,37 @@ def _runs(rank: int, world: int, runs: list[Run]) -> dict:
     return out
 
 
+def _refused(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
     """The parity and wrong runs, then ZeRO-3 with accumulation and clipping: 2 steps, ``save_checkpoint``, 2 more;
-    a fresh engine loads and trains the same 2 again."""
+    dmuon's model dict of that, set into a fresh engine; that engine loads the checkpoint and trains the same 2
+    again. dmuon's optimizer dicts are refused under ZeRO-3."""
+    import dmuon
+
     setup(rank)
     out = _runs(rank, world, RUNS[world] + WRONG)
     engine, model, _, partitioned = build_zero_init(world, ZERO_INIT)
     out["zero_init"] = result(model, train(engine, model, rank, world, ZERO_INIT, range(STEPS)))
     out["zero_init"]["partitioned"] = partitioned
-    engine, model, _ = build(world, RESTART)
+    engine, model, opt = build(world, RESTART)
     head = train(engine, model, rank, world, RESTART, range(2))
     engine.save_checkpoint(ckpt, tag="step2")
     tail = train(engine, model, rank, world, RESTART, range(2, 4))
     out["whole"] = result(model, {"losses": head["losses"] + tail["losses"]})
-    engine, model, _ = build(world, RESTART)
+    sd = dmuon.get_model_state_dict(model)  # ZeRO-3's params gathered whole
+    out["model_sd"] = {k: v for k, v in sd.items()}
+    out["optim_sd"] = _refused(lambda: dmuon.get_state_dict(model, opt))
+    engine, model, opt = build(world, RESTART)
+    dmuon.set_model_state_dict(model, sd)  # into a fresh engine: ZeRO-3's slices and the owners' matrices
+    out["set"] = result(model, {"losses": []})["weights"]
+    out["set_optim"] = _refused(lambda: dmuon.set_optimizer_state_dict(model, opt, {}))
     engine.load_checkpoint(ckpt, tag="step2")
     again = train(engine, model, rank, world, RESTART, range(2, 4))
     out["resumed"] = result(model, {"losses": head["losses"] + again["losses"]})
@@ -104,6 +122,11 @@ def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_pa
     for r in results:
         assert_bitwise(r["resumed"], r["whole"], "ZeRO-3 restart")
     assert_close_to(results[0]["whole"], train_oracle(4, max_norm=MAX_NORM), "2 ranks, accumulation 2, clipping")
+    for r in results:  # dmuon's model dict: every weight whole, and it loads into another engine bit for bit
+        assert r["model_sd"].keys() == r["whole"]["weights"].keys()
+        for k, v in r["whole"]["weights"].items():
+            assert torch.equal(r["model_sd"][k], v) and torch.equal(r["set"][k], v), k
+        assert "on a DeepSpeed ZeRO-3 model" in r["optim_sd"] and "on a DeepSpeed ZeRO-3 model" in r["set_optim"]
     got = results[0]["zero_init"]
     assert got["partitioned"] == len(got["weights"]), "zero.Init did not partition every param"
     assert_close_to(got, oracles[MAX_NORM], "2 ranks, zero.Init")
