@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 0, 1 and 2 as dmuon's engine ([Note: engines] in ``base.py``).
+"""DeepSpeed ZeRO stage 0, 1, 2 and 3 as dmuon's engine ([Note: engines] in ``base.py``).
 
 ZeRO-1/2 keeps every param whole on every rank and flattens the optimizer's param groups into one fp32 slice
 per rank; it averages (and, at stage 2, partitions) the gradients of the params in those groups, clips by their
@@ -10,6 +10,21 @@ the other gradients itself and steps a torch ``AdamW`` over the model's own para
 ``deepspeed.initialize`` and DeepSpeed's optimizer is ``dmuon/integrations/deepspeed``; this module says what
 DeepSpeed means to the rest of dmuon. It imports deepspeed only in the methods of a binding (a model is
 DeepSpeed's once ``deepspeed.initialize`` took it).
+
+ZeRO-3 partitions every param it is given; the dedicated ones are kept out of it by the glue ([Note: DeepSpeed
+ZeRO-3] in ``dmuon/integrations/deepspeed/_zero3.py``), and this binding gathers ZeRO-3's own params whole for the
+model's state dicts (:meth:`DeepSpeed.full_params`).
+
+[Note: zero.Init models]
+A model built under ``deepspeed.zero.Init`` reaches ``dedicate_params`` already partitioned: each param holds
+0 elements and its slice in ``ds_tensor``, so a predicate would see no matrix. So before its checks,
+``dedicate_params`` gathers each partitioned param whole on every rank once, one at a time (DeepSpeed's
+``GatheredParameters``), and the predicate sees it whole; one it selects leaves ZeRO-3 as a new plain
+``nn.Parameter`` holding that value (in every module that holds it), which ``dedicate_params`` then binds to its
+owner (the other ranks drop their copy there); the others go back to their slices, as they were. The peak is
+one param whole at a time, plus the selected matrices until they are bound. Every gather runs on every rank even
+after the predicate raised on one (that error is raised after the last gather), so no rank waits for another.
+Only ``predicate`` decides here: a ``route`` function sees ZeRO-3's 0-element params.
 
 [Note: DeepSpeed state dicts]
 dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
@@ -62,7 +77,7 @@ def partitioned_at_construction(model: nn.Module) -> list[tuple[str, nn.Paramete
 
 
 class DeepSpeed(Engine):
-    """DeepSpeed ZeRO-0/1/2: averages, clips and steps every non-dedicated param; decides the accumulation boundary
+    """DeepSpeed ZeRO-0/1/2/3: averages, clips and steps every non-dedicated param; decides the accumulation boundary
     (``gradient_accumulation_steps``), which dmuon's hooks follow; clips with ``gradient_clipping`` by a norm that
     includes the dedicated gradients. Not available: ``dmuon.no_sync`` (DeepSpeed's boundary decides) and
     ``dmuon.clip_grad_norm_`` (DeepSpeed clips, and its gradients live in its flat slices)."""
@@ -94,12 +109,8 @@ class DeepSpeed(Engine):
 
     @classmethod
     def take_whole(cls, model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None) -> None:
-        """[Note: zero.Init models]: each param ``deepspeed.zero.Init`` partitioned is gathered whole on every
-        rank once, one at a time (DeepSpeed's ``GatheredParameters``), and ``predicate`` sees it whole; one it
-        selects leaves ZeRO-3 as a new plain ``nn.Parameter`` holding that value, which ``dedicate_params`` then
-        binds to its owner (the other ranks drop it there). The others go back to their slices, as they were.
-        Every gather runs on every rank even after the predicate raised on one (that error is raised after the
-        last gather), so no rank waits for another."""
+        """The params ``deepspeed.zero.Init`` partitioned, each gathered once for ``predicate`` ([Note: zero.Init
+        models]); the ones it selects become plain params again. Collective when there are any."""
         found = partitioned_at_construction(model)
         if not found or predicate is None:
             return

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 0, 1 and 2 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
+"""DeepSpeed ZeRO stage 0, 1, 2 and 3 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
 dedicated params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the
 script has already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2
 patch::
@@ -39,7 +39,10 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
   ``step``, ``zero_grad`` and ``get_grads_for_norm`` join the same way (the norm it sums gets the dedicated
   gradients' as one more term). A config ``"scheduler"`` sets the lr of ZeRO's groups; dmuon's follow at their
   ratio as built ([Note: DeepSpeed config schedulers] in ``_drive.py``).
-* Refused before anything changes, on every rank: ZeRO stage 3, bf16 / fp16 at stage 0, an optimizer other than
+* ZeRO-3 partitions every param it is given: while ``DeepSpeedEngine.__init__`` runs, the dedicated params are left
+  out of every walk over the modules' params, and afterwards they carry ZeRO-3's marks of a whole, persistent
+  param that its hooks never gather or free ([Note: DeepSpeed ZeRO-3] in ``_zero3.py``).
+* Refused before anything changes, on every rank: bf16 / fp16 at stage 0, an optimizer other than
   the model's ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another
   dtype than the config's fp16 / bf16, optimizer offload, ``elastic_checkpoint``, model, tensor or sequence
   parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.

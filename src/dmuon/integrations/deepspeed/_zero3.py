@@ -218,8 +218,8 @@ def _mark(p: nn.Parameter, fqn: str, ds_id: int, status: Any) -> None:
 
     def all_gather(*args: Any, **kwargs: Any) -> None:  # what GatheredParameters calls on its first param
         raise ValueError(
-            f"dmuon: deepspeed.zero.GatheredParameters over dmuon's dedicated param {fqn!r}: it is"
-            " whole on its owner and never partitioned by ZeRO-3. Gather only the params ZeRO-3 partitioned "
+            f"dmuon: deepspeed.zero.GatheredParameters over dmuon's dedicated param {fqn!r}: "
+            "it is whole on its owner and never partitioned by ZeRO-3. Gather only the params ZeRO-3 partitioned "
             "(those with a ds_tensor), or read the whole model with dmuon.get_model_state_dict(model)")
 
     p.partition = partition
