@@ -6,12 +6,14 @@ gradient), also for a model built under ``deepspeed.zero.Init`` (every param par
 where ZeRO-3 also averaged (partitioned) or stepped the dedicated params miss it.
 ``engine.save_checkpoint`` / ``load_checkpoint`` restart bit-identically, and the 2-rank checkpoint is refused on
 4 ranks, on every rank, before anything changes. ``dmuon.get_model_state_dict`` gathers ZeRO-3's params and
-``set_model_state_dict`` writes them back; dmuon's optimizer dicts are refused. One launch per world size."""
+``set_model_state_dict`` writes them back, ``engine.save_16bit_model`` writes the whole model; dmuon's optimizer
+dicts are refused. One launch per world size."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests._asserts import assert_bitwise, assert_close_to, worst_weight
 from tests._deepspeed import Run, build, build_zero_init, reduce_again, result, setup, step_too, train
@@ -29,6 +31,8 @@ WRONG = [Run(3, 1, MAX_NORM, wrong="reduce"), Run(3, 1, wrong="step")]
 #: DeepSpeed's norm against torch's on one process (the runs drift apart by bf16 rounding in NS; 7e-5 measured)
 NORM_RTOL = 1e-3
 RESTART = Run(3, 2, MAX_NORM)
+#: what makes engine.save_16bit_model (zero3_save_16bit_model) write the whole model at stage 3
+SAVE_16BIT = {"stage3_gather_16bit_weights_on_model_save": True}
 #: the model built under deepspeed.zero.Init (every param partitioned at construction)
 ZERO_INIT = Run(3, 2, MAX_NORM)
 
@@ -61,7 +65,7 @@ def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
     engine, model, _, partitioned = build_zero_init(world, ZERO_INIT)
     out["zero_init"] = result(model, train(engine, model, rank, world, ZERO_INIT, range(STEPS)))
     out["zero_init"]["partitioned"] = partitioned
-    engine, model, opt = build(world, RESTART)
+    engine, model, opt = build(world, RESTART, zero_optimization={"stage": 3, **SAVE_16BIT})
     head = train(engine, model, rank, world, RESTART, range(2))
     engine.save_checkpoint(ckpt, tag="step2")
     tail = train(engine, model, rank, world, RESTART, range(2, 4))
@@ -69,6 +73,9 @@ def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
     sd = dmuon.get_model_state_dict(model)  # ZeRO-3's params gathered whole
     out["model_sd"] = {k: v for k, v in sd.items()}
     out["optim_sd"] = _refused(lambda: dmuon.get_state_dict(model, opt))
+    engine.save_16bit_model(ckpt, "model16.bin")  # DeepSpeed's consolidated ZeRO-3 save (rank 0 writes)
+    dist.barrier()
+    out["model16"] = torch.load(f"{ckpt}/model16.bin", map_location="cpu", weights_only=False)
     engine, model, opt = build(world, RESTART)
     dmuon.set_model_state_dict(model, sd)  # into a fresh engine: ZeRO-3's slices and the owners' matrices
     out["set"] = result(model, {"losses": []})["weights"]
@@ -126,6 +133,7 @@ def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_pa
         assert r["model_sd"].keys() == r["whole"]["weights"].keys()
         for k, v in r["whole"]["weights"].items():
             assert torch.equal(r["model_sd"][k], v) and torch.equal(r["set"][k], v), k
+            assert torch.equal(r["model16"][k], v), k
         assert "on a DeepSpeed ZeRO-3 model" in r["optim_sd"] and "on a DeepSpeed ZeRO-3 model" in r["set_optim"]
     got = results[0]["zero_init"]
     assert got["partitioned"] == len(got["weights"]), "zero.Init did not partition every param"

@@ -58,6 +58,7 @@ class Drive:
                                                   "save_checkpoint", "is_gradient_accumulation_boundary",
                                                   "load_universal_checkpoint", "_get_all_ckpt_names",
                                                   "_get_zero_ckpt_name", "zero_optimization_stage",
+                                                  "_zero3_consolidated_16bit_state_dict",
                                                   *Stage0.ENGINE_METHODS)
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
                                                 "unscale_and_clip_grads", "refresh_fp32_params",
@@ -117,6 +118,8 @@ class Drive:
         engine.save_checkpoint = functools.wraps(engine.save_checkpoint)(
             functools.partial(self._save_checkpoint, engine.save_checkpoint))
         engine.module_state_dict = self._module_state_dict
+        if self.stage == 3:  # save_16bit_model / zero3_save_16bit_model's whole model: dmuon's, ZeRO-3's gathered
+            engine._zero3_consolidated_16bit_state_dict = self._module_state_dict
         engine.load_module_state_dict = self._load_module_state_dict
         engine.load_checkpoint = functools.wraps(engine.load_checkpoint)(
             functools.partial(load_checkpoint, engine, self.state, self.muon, self.facade, engine.load_checkpoint,
