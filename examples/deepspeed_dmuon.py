@@ -1,7 +1,7 @@
 """dmuon under DeepSpeed ZeRO stage 2 (docs/guides/deepspeed.md as a program), runnable as is.
 
     python examples/deepspeed_dmuon.py                         # starts 2 local ranks (CPU: gloo; 2+ GPUs: NCCL)
-    torchrun --nproc_per_node 2 examples/deepspeed_dmuon.py [--stage 1] [--bf16]
+    torchrun --nproc_per_node 2 examples/deepspeed_dmuon.py [--stage 1/3] [--bf16]
 
 ``import deepspeed`` first, then ``dmuon.dedicate_params`` (which installs dmuon's DeepSpeed glue),
 ``dmuon.Muon(model, ...)`` and ``deepspeed.initialize(model=model, optimizer=optimizer, config=...)``; the loop
@@ -69,7 +69,7 @@ def build(stage: int, bf16: bool, mesh: object, device: torch.device) -> tuple[o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Read before any rank starts (``main_or_spawn``): ``--help`` and a wrong argument end here, once."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, default=2, choices=(1, 2), help="ZeRO stage (default 2)")
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3), help="ZeRO stage (default 2)")
     parser.add_argument("--bf16", action="store_true", help="DeepSpeed's bf16 (fp32 Muon state on the owners)")
     return parser.parse_args(argv)
 

@@ -76,6 +76,28 @@ def build(world: int, run: Run, *, schedule: Callable[[dmuon.Muon], Any] | None 
     return engine, model, opt
 
 
+def build_zero_init(world: int, run: Run) -> tuple[Any, torch.nn.Module, dmuon.Muon, int]:
+    """:func:`build` with the model built under ``deepspeed.zero.Init`` (ZeRO-3 partitions every param at
+    construction; the test weights written through ``GatheredParameters`` from rank 0). Also returns how many
+    params were partitioned (0 elements here) when ``dedicate_params`` got the model."""
+    import deepspeed
+
+    from tests._training import CFG
+    from dmuon.tools.models import TinyLlama
+
+    cfg = config(world, stage=run.stage, accum=run.accum, clip=run.clip)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyLlama(CFG)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model.init_weights(0)
+    partitioned = sum(p.numel() == 0 for p in model.parameters())
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False)
+    opt = dmuon.Muon(model, **muon_kwargs())
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine, model, opt, partitioned
+
+
 def build_bf16(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:
     """:func:`build` in bf16 (DeepSpeed's ``"bf16"``, plus ``ds_extra``): the model cast before
     ``dedicate_params``, as DeepSpeed's bf16 needs, dedicated gradients reduced in fp32, fp32 Muon masters."""
@@ -142,9 +164,17 @@ def step_too(model: torch.nn.Module, opt: dmuon.Muon) -> Callable[[], None]:
     return extra.step
 
 
+def zero3_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The params ZeRO-3 partitioned (each holds its slice in ``ds_tensor``; the dedicated ones hold none)."""
+    return [p for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
+
+
 def result(model: torch.nn.Module, trained: dict[str, list[float]]) -> dict[str, Any]:
     """What a job returns for one run: losses, norms, every weight whole, and this rank's own copy of each param
-    ZeRO trains (to compare the ranks)."""
+    ZeRO trains (to compare the ranks; under ZeRO-3 gathered with DeepSpeed's ``GatheredParameters``)."""
+    import deepspeed
+
     dedicated = dmuon.get_dedicated_params(model)
-    local = {n: p.detach().clone() for n, p in model.named_parameters() if n not in dedicated}
-    return {**trained, "weights": full_weights(model), "local": local}
+    with deepspeed.zero.GatheredParameters(zero3_params(model)):
+        local = {n: p.detach().clone() for n, p in model.named_parameters() if n not in dedicated}
+        return {**trained, "weights": full_weights(model), "local": local}

@@ -202,12 +202,16 @@ def dedicate_params(
     """
     install_patch()
     # ---------------- validation: nothing changes before this block passes, on any rank ---------------- #
+    undo_whole = None
     try:
         _check_layout(layout, mesh, replicate_mesh)
+        undo_whole = engines.take_whole(model, predicate)  # DeepSpeed's zero.Init: the selected params whole again
         v = _validate(model, mesh, predicate, route, blocks, replicate_mesh, hook_boundary_predicate,
                       hook_boundary_strict, RuntimeConfig(reshard_after_forward=bool(reshard_after_forward), prefetch=bool(prefetch),
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     except Exception as err:  # noqa: BLE001 - also a user predicate's own error: the peers must not wait for it
+        if undo_whole is not None:
+            undo_whole()  # the engine's own params back: a refused call changes nothing
         if dist.is_available() and dist.is_initialized():
             _agree(f"{type(err).__name__}: {err}", None)  # the peers raise too, instead of waiting for this rank
         raise
@@ -219,12 +223,16 @@ def dedicate_params(
     # the layout too: ranks that asked for different layouts would build different groups and hang
     fingerprint = hashlib.sha256(repr((v.plan.digest(), v.specs, v.config.fingerprint(), dtypes, layout)
                                       ).encode()).hexdigest()
-    topology, per_node = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
-                                            _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
-                                            v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v),
-                                            C.local_world_size()))
-    # every rank decides from the same gathered views: all refuse together, before anything changed
-    node_size = _resolve_layout(layout, v, topology, per_node)
+    try:
+        topology, per_node = _agree(None, _Mine(fingerprint, tuple(s.fqn for s in v.selected), _ranks(v.mesh),
+                                                _ranks(v.replicate_mesh) or (dist.get_rank(),), _links(v),
+                                                v.replicate_mesh is not None or v.tp_mesh is not None, _widens(v),
+                                                C.local_world_size()))
+        # every rank decides from the same gathered views: all refuse together, before anything changed
+        node_size = _resolve_layout(layout, v, topology, per_node)
+    except Exception:
+        undo_whole()  # another rank refused, or the layout: the engine's own params back
+        raise
     plan = v.plan if node_size is None else assign_node_owners(v.specs, v.mesh.size() // node_size, node_size,
                                                                preload=v.preload)
 

@@ -125,41 +125,42 @@ def get_model_state_dict(
     ctx = state.ctx
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
-    entries = _model_entries(model, state)
-    with torch.no_grad():
-        for e in entries:
-            mine = e.dp is not None and e.dp.owner == ctx.rank
-            if sharded:
-                if e.layout is not None and mine:  # (a master shard: as a DTensor too, for its offsets)
-                    live = laid_out_like(local(e.tensor), e.layout)  # type: ignore[arg-type]
-                elif e.kind is not _Kind.DEDICATED or mine:
-                    live = e.tensor.detach()
-                else:
+    with engines.of(model).full_params():  # ZeRO-3's params whole while read
+        entries = _model_entries(model, state)
+        with torch.no_grad():
+            for e in entries:
+                mine = e.dp is not None and e.dp.owner == ctx.rank
+                if sharded:
+                    if e.layout is not None and mine:  # (a master shard: as a DTensor too, for its offsets)
+                        live = laid_out_like(local(e.tensor), e.layout)  # type: ignore[arg-type]
+                    elif e.kind is not _Kind.DEDICATED or mine:
+                        live = e.tensor.detach()
+                    else:
+                        continue
+                    out[e.key] = stage_copy(live, cpu_offload) if staged else live
                     continue
-                out[e.key] = stage_copy(live, cpu_offload) if staged else live
-                continue
-            if e.kind is _Kind.DEDICATED:
-                assert e.dp is not None
-                live = local(e.tensor)  # a TP matrix: this tp index's shard
-                value = bcast_from_owner(state, e.dp, live, live.shape, e.dtype, e.key)  # type: ignore[arg-type]
-            elif e.kind is _Kind.DTENSOR:
-                value = e.tensor.detach().full_tensor()
-                if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one
-                    value = value.clone()
-            else:
-                value = e.tensor.detach().clone()
-            if keep:
-                out[e.key] = value.cpu() if cpu_offload else value
-    if not checksums:
+                if e.kind is _Kind.DEDICATED:
+                    assert e.dp is not None
+                    live = local(e.tensor)  # a TP matrix: this tp index's shard
+                    value = bcast_from_owner(state, e.dp, live, live.shape, e.dtype, e.key)  # type: ignore[arg-type]
+                elif e.kind is _Kind.DTENSOR:
+                    value = e.tensor.detach().full_tensor()
+                    if same_storage(value, e.tensor):  # one shard is the whole tensor: do not hand out the live one
+                        value = value.clone()
+                else:
+                    value = e.tensor.detach().clone()
+                if keep:
+                    out[e.key] = value.cpu() if cpu_offload else value
+        if not checksums:
+            return out
+        sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries}, tp_rank=tp_rank(state),
+                       pipelined=state.topology.pipelined)
+        if sharded:
+            out[CHECKSUMS_KEY] = sums
+        else:
+            for key, value in out.items():
+                setattr(value, CHECKSUM_ATTR, sums[key])
         return out
-    sums = collect(ctx, _items(entries), {e.key: e.tensor for e in entries}, tp_rank=tp_rank(state),
-                   pipelined=state.topology.pipelined)
-    if sharded:
-        out[CHECKSUMS_KEY] = sums
-    else:
-        for key, value in out.items():
-            setattr(value, CHECKSUM_ATTR, sums[key])
-    return out
 
 
 def _items(entries: list[_Entry]) -> list[Item]:
@@ -270,17 +271,18 @@ def check_model_sd(model: nn.Module, state_dict: Mapping[str, Any], *, what: str
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"dmuon.{what}: expected a mapping, got {type(state_dict).__name__}")
     state = prepare(model)
-    entries = _model_entries(model, state)
-    has = len(state_dict) > 0 or bool(problems)
-    errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
-    sharded = any(isinstance(v, DTensor) for v in state_dict.values())
-    errors += stage_problem(state, sharded=sharded) if has and not errors else []
-    fp = "" if sharded else structure_fingerprint(dict(state_dict))
-    mode = detect_mode(state, what, has, errors, fp)
-    if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
-        refuse_full_under_stages(state, what, sharded=False)
-    with torch.no_grad():
-        _verify_checksums(state, entries, state_dict, mode, sharded, what)
+    with engines.of(model).full_params():  # ZeRO-3's params whole: their shapes, and their values' checksums
+        entries = _model_entries(model, state)
+        has = len(state_dict) > 0 or bool(problems)
+        errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
+        sharded = any(isinstance(v, DTensor) for v in state_dict.values())
+        errors += stage_problem(state, sharded=sharded) if has and not errors else []
+        fp = "" if sharded else structure_fingerprint(dict(state_dict))
+        mode = detect_mode(state, what, has, errors, fp)
+        if mode is Mode.RANK0:  # (agreed: under stages every rank raises)
+            refuse_full_under_stages(state, what, sharded=False)
+        with torch.no_grad():
+            _verify_checksums(state, entries, state_dict, mode, sharded, what)
     return ModelLoad(state, entries, state_dict, mode)
 
 
@@ -288,7 +290,7 @@ def apply_model_sd(load: ModelLoad) -> None:
     """Write a checked dict into the live tensors (each from its place in the dict: a staged copy, a full
     tensor, rank 0's broadcast), then publish the owners' new values. Collective in rank-0 mode and HSDP."""
     state, sd, mode = load.state, load.sd, load.mode
-    with torch.no_grad():
+    with engines.of(state.model).full_params(write=True), torch.no_grad():  # ZeRO-3: written whole, partitioned
         for e in load.entries:
             if e.kind is _Kind.DEDICATED:
                 _load_dedicated(state, e, sd, mode)

@@ -379,6 +379,7 @@ def check_optim_sd(model: nn.Module, optimizer: torch.optim.Optimizer, state_dic
     rank, one gather in which every rank agrees (raising together), then the checksums. Collective; changes
     nothing."""
     state = _check_optimizer(model, optimizer)
+    _engine(optimizer).check_optimizer_dict(sharded=False)  # what the engine cannot take at all (ZeRO-3)
     prepare(model)
     mode = _agree(optimizer, state, state_dict, what)
     groups, structure, local_state = _sources(state, state_dict, mode)

@@ -18,7 +18,7 @@ from .ddp import DDP
 from .deepspeed import DeepSpeed
 from .fsdp2 import FSDP2
 
-__all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "of", "state_of", "unwrap",
+__all__ = ["Engine", "DDP", "DeepSpeed", "FSDP2", "ENGINES", "detect", "bind", "take_whole", "of", "state_of", "unwrap",
            "check_unchanged", "prepare_for_engines", "register_glue", "activate_glue"]
 
 #: Every engine, most specific first: a wrapper before the modules it holds; :class:`Engine` (none) last.
@@ -95,6 +95,19 @@ def check_unchanged(engine: Engine) -> None:
             "this optimizer holds stale ones. Build it after fully_shard: dmuon.dedicate_params(model, ...) "
             "-> fully_shard(...) -> dmuon.Muon(model, ...)."
         )
+
+
+def take_whole(model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None) -> Callable[[], None]:
+    """``dedicate_params``, before its checks: params an engine partitioned at construction (DeepSpeed's
+    ``zero.Init``) that ``predicate`` selects, made whole again so dmuon can own them. Returns what puts the
+    engine's params back, for a check that fails after this (nothing may change on a refused call)."""
+    swaps = [s for cls in ENGINES for s in cls.take_whole(model, predicate)]
+
+    def undo() -> None:
+        for module, name, param in swaps:
+            module._parameters[name] = param
+
+    return undo
 
 
 def prepare_for_engines(model: nn.Module, fqns: list[str]) -> None:

@@ -26,8 +26,8 @@ optimizer was built; ``deepspeed.initialize`` for DeepSpeed) and stores the bind
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +79,14 @@ class Engine:
     @classmethod
     def refuse_taken(cls, model: nn.Module) -> None:
         """``dedicate_params``: raise ``ValueError`` naming the fix if this engine already took ``model``."""
+
+    @classmethod
+    def take_whole(cls, model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None
+                   ) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """``dedicate_params``, before its checks: where this engine partitioned params at construction, each
+        one ``predicate`` selects made whole again and left to dmuon (the values unchanged). Collective there.
+        Returns the swaps made, ``(module, name, the engine's param)``, so a failed check can put them back."""
+        return []
 
     @classmethod
     def leave_dedicated(cls, model: nn.Module, fqns: list[str]) -> None:
@@ -165,6 +173,12 @@ class Engine:
 
     def check_optimizer_dict(self, *, sharded: bool) -> None:
         """Raise where the engine's part of a (``sharded``) optimizer state dict cannot be formed."""
+
+    def full_params(self, *, write: bool = False) -> AbstractContextManager[Any]:
+        """While the block runs, every param the engine keeps in slices between uses (DeepSpeed ZeRO-3) is whole
+        on every rank, so the model's state dict functions read and write it like a plain one; ``write``: what
+        the block writes into them is kept (rank 0's values). Here: nothing to do. Collective where it gathers."""
+        return nullcontext()
 
     def describe(self) -> dict[str, Any]:
         """What ``repr`` and messages show of this binding."""

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 0, 1 and 2 as dmuon's engine ([Note: engines] in ``base.py``).
+"""DeepSpeed ZeRO stage 0, 1, 2 and 3 as dmuon's engine ([Note: engines] in ``base.py``).
 
 ZeRO-1/2 keeps every param whole on every rank and flattens the optimizer's param groups into one fp32 slice
 per rank; it averages (and, at stage 2, partitions) the gradients of the params in those groups, clips by their
@@ -10,6 +10,21 @@ the other gradients itself and steps a torch ``AdamW`` over the model's own para
 ``deepspeed.initialize`` and DeepSpeed's optimizer is ``dmuon/integrations/deepspeed``; this module says what
 DeepSpeed means to the rest of dmuon. It imports deepspeed only in the methods of a binding (a model is
 DeepSpeed's once ``deepspeed.initialize`` took it).
+
+ZeRO-3 partitions every param it is given; the dedicated ones are kept out of it by the glue ([Note: DeepSpeed
+ZeRO-3] in ``dmuon/integrations/deepspeed/_zero3.py``), and this binding gathers ZeRO-3's own params whole for the
+model's state dicts (:meth:`DeepSpeed.full_params`).
+
+[Note: zero.Init models]
+A model built under ``deepspeed.zero.Init`` reaches ``dedicate_params`` already partitioned: each param holds
+0 elements and its slice in ``ds_tensor``, so a predicate would see no matrix. So before its checks,
+``dedicate_params`` gathers each partitioned param whole on every rank once, one at a time (DeepSpeed's
+``GatheredParameters``), and the predicate sees it whole; one it selects leaves ZeRO-3 as a new plain
+``nn.Parameter`` holding that value (in every module that holds it), which ``dedicate_params`` then binds to its
+owner (the other ranks drop their copy there); the others go back to their slices, as they were. The peak is
+one param whole at a time, plus the selected matrices until they are bound. Every gather runs on every rank even
+after the predicate raised on one (that error is raised after the last gather), so no rank waits for another.
+Only ``predicate`` decides here: a ``route`` function sees ZeRO-3's 0-element params.
 
 [Note: DeepSpeed state dicts]
 dmuon's full state dicts hold what they hold under FSDP2: the model's params (in the model's dtype), and per
@@ -25,8 +40,8 @@ restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -34,7 +49,7 @@ import torch.nn as nn
 
 from .base import Engine
 
-__all__ = ["DeepSpeed", "is_deepspeed_engine", "zero_managed"]
+__all__ = ["DeepSpeed", "is_deepspeed_engine", "partitioned_at_construction", "zero_managed"]
 
 
 def is_deepspeed_engine(model: Any) -> bool:
@@ -46,12 +61,23 @@ def is_deepspeed_engine(model: Any) -> bool:
 def zero_managed(model: nn.Module) -> list[str]:
     """The params of ``model`` a ZeRO optimizer already took (``deepspeed.initialize`` ran on it): ZeRO-1/2 links
     each to its fp32 slice (``_hp_mapping``, what DeepSpeed's own ``safe_get_full_fp32_param`` looks for), ZeRO-3
-    gives each an id (``ds_id``)."""
-    return [n for n, p in model.named_parameters() if hasattr(p, "_hp_mapping") or hasattr(p, "ds_id")]
+    gives each an id (``ds_id``) and the model its registry of params in flight. ``deepspeed.zero.Init`` alone
+    (no engine yet) gives ids only: see :func:`partitioned_at_construction`."""
+    engine_z3 = hasattr(model, "ds_inflight_param_registry")
+    return [n for n, p in model.named_parameters()
+            if hasattr(p, "_hp_mapping") or (engine_z3 and hasattr(p, "ds_id"))]
+
+
+def partitioned_at_construction(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The params ``deepspeed.zero.Init`` partitioned when the model was built (each has ZeRO-3's ``ds_id`` and
+    holds its slice in ``ds_tensor``), before any engine took the model; in module order, the same on every rank."""
+    if hasattr(model, "ds_inflight_param_registry"):
+        return []
+    return [(n, p) for n, p in model.named_parameters() if getattr(p, "ds_tensor", None) is not None]
 
 
 class DeepSpeed(Engine):
-    """DeepSpeed ZeRO-0/1/2: averages, clips and steps every non-dedicated param; decides the accumulation boundary
+    """DeepSpeed ZeRO-0/1/2/3: averages, clips and steps every non-dedicated param; decides the accumulation boundary
     (``gradient_accumulation_steps``), which dmuon's hooks follow; clips with ``gradient_clipping`` by a norm that
     includes the dedicated gradients. Not available: ``dmuon.no_sync`` (DeepSpeed's boundary decides) and
     ``dmuon.clip_grad_norm_`` (DeepSpeed clips, and its gradients live in its flat slices)."""
@@ -81,6 +107,35 @@ class DeepSpeed(Engine):
                 "deepspeed.initialize(model=model, optimizer=optimizer, config=...). Nothing was changed."
             )
 
+    @classmethod
+    def take_whole(cls, model: nn.Module, predicate: Callable[[str, nn.Parameter], bool] | None
+                   ) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """The params ``deepspeed.zero.Init`` partitioned, each gathered once for ``predicate`` ([Note: zero.Init
+        models]); the ones it selects become plain params again. Collective when there are any."""
+        found = partitioned_at_construction(model)
+        if not found or predicate is None:
+            return []
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        whole: dict[int, nn.Parameter] = {}
+        error: BaseException | None = None
+        for fqn, p in found:
+            with GatheredParameters([p]), torch.no_grad():
+                try:
+                    if error is None and predicate(fqn, p):
+                        whole[id(p)] = nn.Parameter(p.data.clone(), requires_grad=p.requires_grad)
+                except Exception as e:  # noqa: BLE001 - raised after the last gather, on this rank
+                    error = e
+        if error is not None:
+            raise error
+        swaps = []
+        for m in model.modules():
+            for k, v in list(m._parameters.items()):
+                if v is not None and id(v) in whole:
+                    m._parameters[k] = whole[id(v)]
+                    swaps.append((m, k, v))
+        return swaps
+
     # ------------------------------------------------------------------ #
     # The binding                                                          #
     # ------------------------------------------------------------------ #
@@ -90,9 +145,25 @@ class DeepSpeed(Engine):
         return self.wrapper.optimizer  # type: ignore[union-attr]
 
     @property
+    def stage(self) -> int:
+        """The bound engine's ZeRO stage."""
+        return int(self.wrapper.zero_optimization_stage())  # type: ignore[union-attr]
+
+    @property
     def stage0(self) -> bool:
         """ZeRO stage 0: no ZeRO optimizer; the engine steps a torch ``AdamW`` over the model's own params."""
-        return int(self.wrapper.zero_optimization_stage()) == 0  # type: ignore[union-attr]
+        return self.stage == 0
+
+    def full_params(self, *, write: bool = False) -> AbstractContextManager[Any]:
+        """ZeRO-3: the params it partitioned (each holds its slice in ``ds_tensor``; the dedicated ones hold none),
+        gathered whole on every rank by DeepSpeed's ``GatheredParameters`` for the block; ``write``: rank 0's values
+        are broadcast and partitioned again on the way out (its ``modifier_rank``). Collective."""
+        if self.stage != 3:
+            return nullcontext()
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        params = [p for p in self.model.parameters() if getattr(p, "ds_tensor", None) is not None]
+        return GatheredParameters(params, modifier_rank=0 if write else None)
 
     def accumulation_boundary(self) -> bool | None:
         engine: Any = self.wrapper
@@ -188,6 +259,13 @@ class DeepSpeed(Engine):
         return {}
 
     def check_optimizer_dict(self, *, sharded: bool) -> None:
+        if self.stage == 3:
+            raise ValueError(
+                "dmuon's optimizer state dicts (get_optimizer_state_dict / get_state_dict and their setters) on a "
+                "DeepSpeed ZeRO-3 model: ZeRO-3 keeps the AdamW state in per-rank sub-group slices that these dicts "
+                "do not read yet. Save and resume with engine.save_checkpoint / engine.load_checkpoint (same number "
+                "of ranks); dmuon.get_model_state_dict works (it gathers ZeRO-3's params)."
+            )
         if sharded:
             raise ValueError(
                 "dmuon.get_optimizer_state_dict(sharded=True) on a DeepSpeed model: ZeRO keeps the AdamW state in "

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 0, 1 and 2 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
+"""DeepSpeed ZeRO stage 0, 1, 2 and 3 for models prepared by dmuon: ``deepspeed.initialize`` learns to leave the
 dedicated params to dmuon. Needs deepspeed 0.19 (checked: 0.19.8); installed by ``dmuon.dedicate_params`` when the
 script has already imported deepspeed (or by importing this package), the way ``import dmuon`` installs the FSDP2
 patch::
@@ -39,7 +39,10 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
   ``step``, ``zero_grad`` and ``get_grads_for_norm`` join the same way (the norm it sums gets the dedicated
   gradients' as one more term). A config ``"scheduler"`` sets the lr of ZeRO's groups; dmuon's follow at their
   ratio as built ([Note: DeepSpeed config schedulers] in ``_drive.py``).
-* Refused before anything changes, on every rank: ZeRO stage 3, bf16 / fp16 at stage 0, an optimizer other than
+* ZeRO-3 partitions every param it is given: while ``DeepSpeedEngine.__init__`` runs, the dedicated params are left
+  out of every walk over the modules' params, and afterwards they carry ZeRO-3's marks of a whole, persistent
+  param that its hooks never gather or free ([Note: DeepSpeed ZeRO-3] in ``_zero3.py``).
+* Refused before anything changes, on every rank: bf16 / fp16 at stage 0, an optimizer other than
   the model's ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another
   dtype than the config's fp16 / bf16, optimizer offload, ``elastic_checkpoint``, model, tensor or sequence
   parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
@@ -47,6 +50,7 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -61,6 +65,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ...runtime.hooks import STATE_ATTR
 from ._checks import agree, problems
 from ._drive import Drive
+from ._zero3 import Zero3, hidden
 
 __all__ = ["install", "uninstall", "is_installed"]
 
@@ -89,8 +94,10 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         dedicated = [dp.bound() for dp in state.dedicated()]
         for p in dedicated:
             setattr(p, _NO_BROADCAST, True)
+        stage3 = int(bound.arguments["config_class"].zero_optimization_stage) == 3
         try:
-            original(*bound.args, **bound.kwargs)
+            with hidden(state) if stage3 else contextlib.nullcontext():  # [Note: DeepSpeed ZeRO-3]
+                original(*bound.args, **bound.kwargs)
         finally:
             for p in dedicated:
                 if hasattr(p, _NO_BROADCAST):
@@ -125,6 +132,8 @@ def install() -> None:
     if is_installed():
         return
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     params = tuple(inspect.signature(DeepSpeedEngine.__init__).parameters)
@@ -132,6 +141,10 @@ def install() -> None:
     missing += [f"DeepSpeedEngine.{n}" for n in Drive.ENGINE_METHODS if not callable(getattr(DeepSpeedEngine, n, None))]
     missing += [f"DeepSpeedZeroOptimizer.{n}" for n in Drive.ZERO_METHODS
                 if not callable(getattr(DeepSpeedZeroOptimizer, n, None))]
+    missing += [f"DeepSpeedZeroOptimizer_Stage3.{n}" for n in Zero3.ZERO_METHODS
+                if not callable(getattr(DeepSpeedZeroOptimizer_Stage3, n, None))]
+    missing += [f"DeepSpeedZeRoOffload.{n}" for n in Zero3.OFFLOAD_METHODS
+                if not callable(getattr(DeepSpeedZeRoOffload, n, None))]
     missing += [f"BF16_Optimizer.{n}" for n in Drive.BF16_METHODS if not callable(getattr(BF16_Optimizer, n, None))]
     if missing:
         raise RuntimeError(

@@ -57,10 +57,8 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
     """Everything about this ``deepspeed.initialize`` call dmuon cannot train, each with its fix (this rank)."""
     out = []
     stage = int(config.zero_optimization_stage)
-    if stage not in (0, 1, 2):
-        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 0, 1 and 2 (stage 3 "
-                   "partitions every param itself, the dedicated ones too): set \"zero_optimization\": {\"stage\": "
-                   "2} (or 0 or 1)")
+    if stage not in (0, 1, 2, 3):
+        out.append(f"zero_optimization.stage is {stage}; dmuon supports DeepSpeed ZeRO stage 0, 1, 2 and 3")
     dtype = _dtype(config)
     if stage == 0 and dtype is not None:
         out.append(f"ZeRO stage 0 in {dtype} runs DeepSpeed's FP16_UnfusedOptimizer, whose norm and overflow check "

@@ -44,6 +44,7 @@ from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
 from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_of, part_problems
 from ._stage0 import Stage0
+from ._zero3 import Zero3
 
 __all__ = ["Drive"]
 
@@ -57,6 +58,7 @@ class Drive:
                                                   "save_checkpoint", "is_gradient_accumulation_boundary",
                                                   "load_universal_checkpoint", "_get_all_ckpt_names",
                                                   "_get_zero_ckpt_name", "zero_optimization_stage",
+                                                  "_zero3_consolidated_16bit_state_dict",
                                                   *Stage0.ENGINE_METHODS)
     ZERO_METHODS: ClassVar[tuple[str, ...]] = ("step", "scaled_global_norm", "has_overflow", "zero_grad",
                                                 "unscale_and_clip_grads", "refresh_fp32_params",
@@ -103,6 +105,8 @@ class Drive:
         zero = engine.optimizer
         if self.stage == 0:  # no ZeRO optimizer: the engine's own methods ([Note: DeepSpeed stage 0])
             Stage0(self.state, self.muon, self.facade, engine, self.follow_schedule).attach()
+        elif self.stage == 3:  # ZeRO-3's optimizer and its parameter coordinator ([Note: DeepSpeed ZeRO-3])
+            Zero3(self.state, self.muon, engine, self.follow_schedule).attach()
         else:  # ZeRO-1/2's optimizer, or at stage 1 in bf16 with fp32 accumulation DeepSpeed's BF16_Optimizer
             self.bf16_optimizer = _is_bf16_optimizer(zero)
             joins = ("step", "get_grads_for_norm", "zero_grad") if self.bf16_optimizer else \
@@ -112,6 +116,8 @@ class Drive:
         engine.save_checkpoint = functools.wraps(engine.save_checkpoint)(
             functools.partial(self._save_checkpoint, engine.save_checkpoint))
         engine.module_state_dict = self._module_state_dict
+        if self.stage == 3:  # save_16bit_model / zero3_save_16bit_model's whole model: dmuon's, ZeRO-3's gathered
+            engine._zero3_consolidated_16bit_state_dict = self._module_state_dict
         engine.load_module_state_dict = self._load_module_state_dict
         engine.load_checkpoint = functools.wraps(engine.load_checkpoint)(
             functools.partial(load_checkpoint, engine, self.state, self.muon, self.facade, engine.load_checkpoint,

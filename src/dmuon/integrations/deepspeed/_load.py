@@ -131,8 +131,10 @@ def read_and_check(engine: Any, state: DMuonState, muon: Muon, load_dir: str, ta
     path = _zero_file(engine, load_dir, tag)
     zero = files.load(path, problems)
     if zero is not None:
-        base = (zero.get("optimizer_state_dict") or {}).get("base_optimizer_state") if isinstance(zero, Mapping) \
-            else None
+        # ZeRO-1/2 keep the facade's dict as "base_optimizer_state", ZeRO-3 as "optimizer_state_dict"
+        inner = (zero.get("optimizer_state_dict") or {}) if isinstance(zero, Mapping) else {}
+        base = inner.get("optimizer_state_dict" if int(engine.zero_optimization_stage()) == 3 else
+                         "base_optimizer_state") if isinstance(inner, Mapping) else None
         part = base.get(STATE_KEY) if isinstance(base, Mapping) else None
         problems += part_problems(part, state, muon, path)
     return files, sd, problems
@@ -167,8 +169,11 @@ class Staged:
                 if dp.master is not None:
                     self._tensor(dp.master)
             slices = getattr(zero, "single_partition_of_fp32_groups", getattr(zero, "fp32_groups_flat_partition", ()))
+            slices = [*slices, *getattr(zero, "fp32_partitioned_groups_flat", ()),  # ZeRO-3's, and its params'
+                      *getattr(zero, "fp16_partitioned_groups_flat", ())]           # slices (the ds_tensors)
             for t in slices:  # ZeRO-1/2's, or BF16_Optimizer's
-                self._tensor(t)
+                if t is not None:
+                    self._tensor(t)
             self._map(muon.state, deep=True)
             for g in muon.param_groups:  # dmuon's groups and the facade's (shared) group dicts
                 self._map(g)

@@ -36,8 +36,10 @@ def engine_groups(muon: Muon) -> list[dict[str, Any]]:
 
 def own_groups(muon: Muon) -> list[dict[str, Any]]:
     """The other group dicts, whose hyperparameters dmuon's part carries (an empty AdamW group too: a scheduler
-    scales it all the same)."""
-    theirs = {id(g) for g in engine_groups(muon)}
+    scales it all the same). Once attached, the groups handed to ZeRO as built: ZeRO-3 empties their ``params``
+    between its steps and saves."""
+    drive = getattr(muon, "_deepspeed_drive", None)
+    theirs = {id(g) for g in (drive.shared if drive is not None else engine_groups(muon))}
     return [g for g in muon.param_groups if id(g) not in theirs]
 
 
