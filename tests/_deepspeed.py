@@ -76,10 +76,12 @@ def build(world: int, run: Run, *, schedule: Callable[[dmuon.Muon], Any] | None 
     return engine, model, opt
 
 
-def build_zero_init(world: int, run: Run) -> tuple[Any, torch.nn.Module, dmuon.Muon, int]:
+def build_zero_init(world: int, run: Run) -> tuple[Any, torch.nn.Module, dmuon.Muon, int, bool]:
     """:func:`build` with the model built under ``deepspeed.zero.Init`` (ZeRO-3 partitions every param at
     construction; the test weights written through ``GatheredParameters`` from rank 0). Also returns how many
-    params were partitioned (0 elements here) when ``dedicate_params`` got the model."""
+    params were partitioned (0 elements here) when ``dedicate_params`` got the model, and whether a
+    ``dedicate_params`` refused first (``layout="node"`` on one node: after the selected params were gathered
+    whole) left every one of the engine's params in place."""
     import deepspeed
 
     from tests._training import CFG
@@ -92,10 +94,17 @@ def build_zero_init(world: int, run: Run) -> tuple[Any, torch.nn.Module, dmuon.M
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         model.init_weights(0)
     partitioned = sum(p.numel() == 0 for p in model.parameters())
+    before = [(n, id(p)) for n, p in model.named_parameters()]
+    try:
+        dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False,
+                              layout="node")
+        kept = False
+    except ValueError:
+        kept = [(n, id(p)) for n, p in model.named_parameters()] == before
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, verbose=False)
     opt = dmuon.Muon(model, **muon_kwargs())
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-    return engine, model, opt, partitioned
+    return engine, model, opt, partitioned, kept
 
 
 def build_bf16(world: int, run: Run, **ds_extra: Any) -> tuple[Any, torch.nn.Module, dmuon.Muon]:

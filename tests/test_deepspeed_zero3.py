@@ -62,9 +62,10 @@ def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
 
     setup(rank)
     out = _runs(rank, world, RUNS[world] + WRONG)
-    engine, model, _, partitioned = build_zero_init(world, ZERO_INIT)
+    engine, model, _, partitioned, kept = build_zero_init(world, ZERO_INIT)
     out["zero_init"] = result(model, train(engine, model, rank, world, ZERO_INIT, range(STEPS)))
     out["zero_init"]["partitioned"] = partitioned
+    out["zero_init"]["refusal_kept_params"] = kept
     engine, model, opt = build(world, RESTART, zero_optimization={"stage": 3, **SAVE_16BIT})
     head = train(engine, model, rank, world, RESTART, range(2))
     engine.save_checkpoint(ckpt, tag="step2")
@@ -141,6 +142,7 @@ def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_pa
         assert "on a DeepSpeed ZeRO-3 model" in r["optim_sd"] and "on a DeepSpeed ZeRO-3 model" in r["set_optim"]
     got = results[0]["zero_init"]
     assert got["partitioned"] == len(got["weights"]), "zero.Init did not partition every param"
+    assert all(r["zero_init"]["refusal_kept_params"] for r in results), "a refused dedicate_params swapped params"
     assert_close_to(got, oracles[MAX_NORM], "2 ranks, zero.Init")
     assert _norm_error(got, oracles[MAX_NORM]) <= NORM_RTOL, got["norms"]
     tail = run_distributed(four_rank_job, 4, ckpt)
