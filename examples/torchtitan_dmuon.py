@@ -66,7 +66,6 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,11 +156,6 @@ def stage_modules(n_stages: int, n_layers: int) -> list[list[str]]:
     return out
 
 
-def _stages(schedule: Any) -> list[Any]:
-    """The schedule's stages on this rank (one, or several under a looped schedule)."""
-    return list(getattr(schedule, "_stages", None) or [schedule._stage])
-
-
 def main(args: argparse.Namespace) -> int:
 
     use_cuda = torch.cuda.is_available()
@@ -248,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {dp} data-parallel x {args.tp} "
               f"tensor-parallel ranks, {sum(len(dmuon.get_owned_params(p)) for p in parts)} on rank 0"
               + (f"; {len(experts)} expert weights over {args.ep} expert-parallel ranks" if args.moe else "")
-              + (f"; stages {[s.stage_index for s in _stages(schedule)]} of {n_stages} on rank 0" if schedule else ""),
+              + (f"; {len(parts)} model parts of {n_stages} stages on rank 0" if schedule else ""),
               flush=True)
 
     losses: list[float] = []

@@ -24,11 +24,13 @@ SCENARIOS = [Scenario("1f1b", steps=STEPS), Scenario("1f1b_z2", reshard_after_fo
              Scenario("gpipe", schedule="gpipe", steps=STEPS), Scenario("interleaved", "interleaved", steps=STEPS),
              Scenario("interleaved_z2", "interleaved", reshard_after_forward=False, steps=STEPS)]
 #: torchtitan's clip call: torch's clip over the parameters of both stage modules
-TORCH_CLIP = [Scenario("interleaved_torch_clip", "interleaved", max_norm=MAX_NORM, torch_clip=True, steps=STEPS)]
+TORCH_CLIP = [Scenario("interleaved_torch_clip", "interleaved", max_norm=MAX_NORM, torch_clip=True, steps=STEPS),
+              Scenario("interleaved_qk", "interleaved", qk_clip=True, steps=STEPS)]
 EXTRA = [Scenario("clip", max_norm=MAX_NORM, steps=STEPS), Scenario("accum", accum=2, steps=STEPS),
          Scenario("looped_bfs", "looped_bfs", steps=STEPS),
          Scenario("interleaved_clip", "interleaved", max_norm=MAX_NORM, steps=STEPS),
-         Scenario("interleaved_accum", "interleaved", accum=2, steps=STEPS)]
+         Scenario("interleaved_accum", "interleaved", accum=2, steps=STEPS),
+         Scenario("qk", qk_clip=True, steps=STEPS)]
 
 
 def _unchanged(model: nn.Module) -> bool:
@@ -171,3 +173,20 @@ def test_misuse_refused_on_every_rank(pp2dp2, case, needle):
         assert needle in message, f"rank {rank} {case}: {message!r} does not mention {needle!r}"
         assert unchanged, f"rank {rank} {case}: the model changed although the call failed"
 
+
+@pytest.mark.parametrize("job, name", [("pp2dp2", "qk"), ("pp2dp1", "interleaved_qk")])
+def test_qk_clip_per_stage(request, job, name):
+    """QK-clip under stages: each stage gathers its own attention modules' maxima (over its data-parallel
+    ranks) and clips their heads; query head 0 of every layer starts far above tau, so at the first step every
+    stage clips one head per layer it holds (torch's shape-inference forward on empty tensors reports nothing:
+    [Note: pipeline shape inference]), and the run matches a single process clipping by hand after each step."""
+    results = _job(request, job)
+    cfg = CFG_V if name.startswith("interleaved") else CFG
+    ref = oracle(STEPS, cfg=cfg, qk_clip=True)
+    assert_close_to(merge(results, name), ref, name)
+    seen: set[str] = set()
+    for r in results:
+        for clipped, modules in r[name]["qk"][0]:  # each stage module: its own layers' attention, head 0 clipped
+            assert modules and clipped == len(modules), (r[name]["pp_rank"], modules, clipped)
+            seen.update(modules)
+    assert seen == {f"layers.{i}.attention" for i in range(cfg.n_layers)}, seen
