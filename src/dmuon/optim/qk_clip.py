@@ -248,11 +248,10 @@ class QKClipper:
         print(optimizer.qk_clip.config.tau, optimizer.qk_clip.stats.heads)
     """
 
-    def __init__(self, config: QKClip, attentions: Sequence[_Attention], ctx: Any, *, pipelined: bool = False
-                 ) -> None:
-        self.config, self._ctx = config, ctx
+    def __init__(self, config: QKClip, attentions: Sequence[_Attention], state: Any) -> None:
+        self.config, self._ctx = config, state.ctx
         #: pipeline stages: the maxima are gathered over this rank's stage (the ranks holding these modules)
-        self._pipelined = pipelined
+        self._pipelined: bool = state.topology.pipelined
         self._attentions: list[_Attention] = list(attentions)
         self.stats = QKClipStats(heads=sum(a.heads.n_heads for a in attentions))
 
