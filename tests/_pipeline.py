@@ -83,6 +83,8 @@ class Scenario:
     torch_clip: bool = False
     #: the model reports its per-head maxima (query head 0 boosted) and every stage's dmuon.Muon clips them
     qk_clip: bool = False
+    #: after the last step, each stage module's dmuon.diagnostics.summarize (as a dict)
+    summary: bool = False
     steps: int = 3
 
 
@@ -217,10 +219,12 @@ def run_scenario(mesh, sc: Scenario) -> dict:
             ("backward_broadcast", "elements"))))
         if mb:  # the mean loss of this rank's microbatches (each already divided by accum)
             losses.append(sum(x.item() for x in mb) * (sc.accum if sc.accum > 1 else 1) / scale)
+    summaries = [dmuon.diagnostics.summarize(m, optimizer=o).as_dict() for m, o in zip(models, opts)] if sc.summary else []
     P = sum(p.numel() for model in models for p in dmuon.get_dedicated_params(model).values())
     weights = {k: v for model in models for k, v in full_weights(model).items()}
     return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights, "reduces": reduces,
-            "P": P, "dp": dp, "pp_rank": pp_rank, "qk": qk}
+            "P": P, "dp": dp, "pp_rank": pp_rank, "qk": qk, "summaries": summaries,
+            "dedicated": sorted(n for m in models for n in dmuon.get_dedicated_params(m))}
 
 
 def pipeline_job(rank: int, world: int, pp: int, scenarios: list[Scenario],

@@ -30,7 +30,8 @@ EXTRA = [Scenario("clip", max_norm=MAX_NORM, steps=STEPS), Scenario("accum", acc
          Scenario("looped_bfs", "looped_bfs", steps=STEPS),
          Scenario("interleaved_clip", "interleaved", max_norm=MAX_NORM, steps=STEPS),
          Scenario("interleaved_accum", "interleaved", accum=2, steps=STEPS),
-         Scenario("qk", qk_clip=True, steps=STEPS)]
+         Scenario("qk", qk_clip=True, steps=STEPS),
+         Scenario("interleaved_summary", "interleaved", summary=True, steps=1)]
 
 
 def _unchanged(model: nn.Module) -> bool:
@@ -190,3 +191,25 @@ def test_qk_clip_per_stage(request, job, name):
             assert modules and clipped == len(modules), (r[name]["pp_rank"], modules, clipped)
             seen.update(modules)
     assert seen == {f"layers.{i}.attention" for i in range(cfg.n_layers)}, seen
+
+
+def test_diagnostics_summarize_each_stage(pp2dp2):
+    """``dmuon.diagnostics.summarize`` on each stage module (two per rank: called once per module, in the same
+    order on every rank) gathers every rank's row over the job: each row names its rank's stage and owns only
+    that stage's matrices, the owners of one stage cover its matrices once, and the reduce each row expects (its
+    stage's P) is what the step measured."""
+    runs = [r["interleaved_summary"] for r in pp2dp2]
+    for k in range(len(runs[0]["summaries"])):  # the k-th stage module of every rank
+        rows = [run["summaries"][k]["ranks"] for run in runs]
+        assert all(r == rows[0] for r in rows), f"module {k}: the ranks gathered different rows"
+        by_stage: dict[int, list[str]] = {}
+        for row in rows[0]:
+            by_stage.setdefault(row["stage"], []).extend(p["fqn"] for p in row["owned"])
+            assert row["expected"]["reduce"] == row["measured"]["reduce"] > 0, row
+        assert len(by_stage) == 2, f"module {k}: stages {sorted(by_stage)}"
+        assert str(dmuon.diagnostics.Summary(rows[0])).split()[1] == "stage"  # the table's stage column
+        owned = sorted(f for fqns in by_stage.values() for f in fqns)
+        assert len(owned) == len(set(owned)), f"module {k}: a matrix owned twice"
+        for row in rows[0]:  # a row's matrices are its rank's own stage module's
+            mine = set(runs[row["rank"]]["dedicated"])
+            assert {p["fqn"] for p in row["owned"]} <= mine, (row["rank"], row["owned"])
