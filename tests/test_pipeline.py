@@ -7,15 +7,19 @@ misuse cases run inside the 4-rank job.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 import torch.nn as nn
 
 import dmuon
 from dmuon.tools.models import projection_predicate
 from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, rel_err
 from tests._dist import run_distributed
-from tests._training import CFG
-from tests._pipeline import CFG_V, LAYERS, MULTI, Scenario, Stage, build_model, logits_of, merge, oracle, pipeline_job
+from tests._pipeline import (CFG_V, LAYERS, MULTI, Scenario, Stage, build_model, build_stage, lm_loss, logits_of, merge,
+                             oracle, pipeline_job)
+from tests._training import CFG, GLOBAL_BATCH, batches, full_weights
 
 STEPS = 3
 #: below every stage's own gradient norm and the total (7.2-7.5 over these steps): every step clips
@@ -65,7 +69,33 @@ def misuse_cases(mesh) -> dict:
     attempt("world_mesh", lambda s: dmuon.dedicate_params(s, world, projection_predicate))
     attempt("after_fully_shard", lambda s: dmuon.dedicate_params(s, mesh["dp"], projection_predicate),
             shard_first=pp_rank == pp - 1)
+    out["qk_silent_stage"] = _qk_step_with_one_silent_stage(mesh)
     return {"misuse": out}
+
+
+def _qk_step_with_one_silent_stage(mesh) -> tuple[str, str, bool]:
+    """QK-clip on both stages, but only stage 0's attention reports (stage 1 runs plain SDPA): the step is
+    refused on every rank of both stages, with no weight changed."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model, opt = build_stage(mesh, qk_clip=True)
+    if pp_rank == 1:
+        for layer in model.layers.values():
+            layer.attention.cfg = replace(layer.attention.cfg, report_max_logits=False)
+    pipe = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(pipe, n_microbatches=2, loss_fn=lm_loss)
+    tok, tgt = batches(1)[0]
+    per = GLOBAL_BATCH // mesh["dp"].size()
+    tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
+    schedule.step(tok) if pp_rank == 0 else schedule.step(target=tgt, losses=[])
+    before = full_weights(model)
+    try:
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+        after = full_weights(model)
+        return type(e).__name__, str(e), all(torch.equal(v, after[k]) for k, v in before.items())
+    return "no error", "", False
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +196,13 @@ def test_accumulation_over_schedule_steps(request, pp2dp2, name):
     ("pp_mesh", "not mesh['pp']"),
     ("world_mesh", "hold different params"),
     ("after_fully_shard", "before fully_shard"),
+    ("qk_silent_stage", "no attention module reported"),
 ])
 def test_misuse_refused_on_every_rank(pp2dp2, case, needle):
     for rank, r in enumerate(pp2dp2):
         kind, message, unchanged = r["misuse"][case]
-        assert kind == "ValueError", f"rank {rank} {case}: {kind}: {message}"
+        want = "RuntimeError" if case == "qk_silent_stage" else "ValueError"
+        assert kind == want, f"rank {rank} {case}: {kind}: {message}"
         assert needle in message, f"rank {rank} {case}: {message!r} does not mention {needle!r}"
         assert unchanged, f"rank {rank} {case}: the model changed although the call failed"
 
