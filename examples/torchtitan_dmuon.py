@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --tp 2     # dp=2 x tp=2
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --moe --ep 2  # qwen3 MoE, expert parallel
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --pp 2     # pipeline, 2 stages (1F1B)
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --moe --pp 2  # qwen3 MoE, 2 stages
     torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --pp 2 --pp-schedule Interleaved1F1B  # pp=2 x dp=2,
                                                                         # 2 stages per rank
 
@@ -138,8 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ep > 1 and not args.moe:
         parser.error("--ep needs --moe (the debug Llama 3 has no experts)")
-    if args.pp > 1 and (args.tp > 1 or args.moe):
-        parser.error("--pp runs the debug Llama 3 with FSDP inside each stage only (no --tp, --moe)")
+    if args.pp > 1 and (args.tp > 1 or args.ep > 1):
+        parser.error("--pp runs with FSDP inside each stage only (no --tp, --ep)")
     return args
 
 
@@ -186,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     configs, parallelize_fn = (qwen3_configs, parallelize_qwen3) if args.moe else (llama3_configs, parallelize_llama)
     model_config = configs["debugmodel_moe" if args.moe else "debugmodel"](attn_backend="flex")
     n_layers = args.layers if args.layers is not None else (len(model_config.layers) if use_cuda else
-                                                            1 if args.moe else max(2, n_stages))
+                                                            max(1 if args.moe else 2, n_stages))
     model_config.layers = model_config.layers[:n_layers]
     for layer in model_config.layers:  # causal SDPA: runs on CPU too (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -224,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
     # 2. optimizers and LR schedule where torchtitan builds them
     optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=parts)
     if args.moe:  # the qwen3 spec's post_optimizer_build_fn: MoE load balancing before each step
-        register_moe_load_balancing_hook(optimizers, [model], parallel_dims)
+        register_moe_load_balancing_hook(optimizers, parts, parallel_dims)
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                                        training_steps=args.steps)
     # 3. torchtitan's DCP checkpointer, saving through dmuon
