@@ -91,10 +91,10 @@ def _register_grad_scale(model: nn.Module, optimizer: dmuon.Muon) -> list[Remova
 def _models_of(params: list[torch.Tensor]) -> list[nn.Module]:
     """The adopted dmuon models whose parameters together are exactly ``params`` (what the Trainer passes: one
     model, or under pipeline parallelism this rank's model parts), in the order of ``params``."""
-    ids = {id(p) for p in params}
-    models = [m for m in list(_MODELS) if any(id(p) in ids for p in m.parameters())]
-    models.sort(key=lambda m: min(i for i, p in enumerate(params) if any(p is q for q in m.parameters())))
-    if models and {id(p) for m in models for p in m.parameters()} == ids:
+    index = {id(p): i for i, p in enumerate(params)}
+    models = [m for m in list(_MODELS) if any(id(p) in index for p in m.parameters())]
+    models.sort(key=lambda m: min(index.get(id(p), len(params)) for p in m.parameters()))
+    if models and {id(p) for m in models for p in m.parameters()} == index.keys():
         return models
     raise ValueError(
         f"dmuon torchtitan clip_grad_norm_: the {len(params)} parameters include dedicated ones but are not all the "
