@@ -4,6 +4,10 @@
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --tp 2     # tensor parallel, dp=1 x tp=2
     torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --tp 2     # dp=2 x tp=2
     torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --moe --ep 2  # qwen3 MoE, expert parallel
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --pp 2     # pipeline, 2 stages (1F1B)
+    torchrun --nproc_per_node 2 examples/torchtitan_dmuon.py --moe --pp 2  # qwen3 MoE, 2 stages
+    torchrun --nproc_per_node 4 examples/torchtitan_dmuon.py --pp 2 --pp-schedule Interleaved1F1B  # pp=2 x dp=2,
+                                                                        # 2 stages per rank
 
 torchtitan's debug Llama 3 (``llama3_configs["debugmodel"]``: fused QKV, complex RoPE), or with ``--moe`` its
 debug qwen3 MoE (``qwen3_configs["debugmodel_moe"]``: 64 experts, top-8 routing, fused QKV with qk-norm),
@@ -15,13 +19,24 @@ three points:
    (``parallelism.tensor_parallel_degree``) torchtitan's own TP plan splits the model first and dmuon
    dedicates the TP-sharded matrices right after it (owners over the data-parallel ranks); with ``--ep N``
    (``parallelism.expert_parallel_degree``, with ``--moe``) torchtitan places the experts over N ranks and
-   dmuon runs Muon on each rank's experts where they are (the fused ``wqkv`` always as its q, k and v);
+   dmuon runs Muon on each rank's experts where they are (the fused ``wqkv`` always as its q, k and v); with
+   ``--pp N`` (``parallelism.pipeline_parallel_degree``) torchtitan's ``pipeline_llm`` splits the model into
+   stages and runs the wrapped parallelize on each of this rank's model parts, so dmuon dedicates each part
+   over its stage's data-parallel ranks;
 2. ``DMuonOptimizersContainer.Config(...)`` where torchtitan builds its optimizers (Muon on the owned
-   matrices, AdamW for the rest), driven by torchtitan's ``LRSchedulersContainer``;
+   matrices, AdamW for the rest; one ``dmuon.Muon`` per model part), driven by torchtitan's
+   ``LRSchedulersContainer``;
 3. ``DMuonCheckpointManager.Config(...)`` where torchtitan builds its DCP checkpointer.
 
 The loop is ``Trainer.train_step``'s: loss summed per rank and divided by the global token count, backward,
-``torchtitan.distributed.utils.clip_grad_norm_`` (made dmuon-aware by the container), step. With torchtitan's
+``torchtitan.distributed.utils.clip_grad_norm_`` (made dmuon-aware by the container; one norm over every
+stage), step. Under ``--pp`` the schedule runs the forward and backward of the microbatches, given the whole
+local batch as torch's ``schedule.step(tokens, target=..., losses=..., loss_kwargs=...)`` takes it: torchtitan
+0.3.0's own ``Trainer.forward_backward_step`` passes ``arg_mbs=`` / ``kwarg_mbs=`` / ``target_mbs=`` to
+``schedule.step``, which torch 2.13's schedules do not take (the model gets them as keywords:
+``Decoder.forward() got an unexpected keyword argument 'arg_mbs'``), with or without dmuon. The checkpoint is
+skipped when a rank holds several stages (``--pp-schedule Interleaved1F1B`` / ``LoopedBFS``): not tested yet
+there. With torchtitan's
 ``Trainer`` itself, set ``model_spec=dmuon_model_spec(...)`` and the two configs above instead (see the
 docstring of ``dmuon.integrations.torchtitan``).
 
@@ -72,6 +87,7 @@ try:
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as tt_dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -115,12 +131,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="parallelism.tensor_parallel_degree (divides the ranks)")
     parser.add_argument("--moe", action="store_true", help="qwen3's debugmodel_moe instead of the debug Llama 3")
     parser.add_argument("--ep", type=int, default=1, help="parallelism.expert_parallel_degree (with --moe)")
+    parser.add_argument("--pp", type=int, default=1, help="parallelism.pipeline_parallel_degree (divides the ranks)")
+    parser.add_argument("--pp-schedule", default="1F1B", choices=("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"),
+                        help="parallelism.pipeline_parallel_schedule (default 1F1B; the last two: 2 stages per rank)")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
     args = parser.parse_args(argv)
     if args.ep > 1 and not args.moe:
         parser.error("--ep needs --moe (the debug Llama 3 has no experts)")
+    if args.pp > 1 and (args.tp > 1 or args.ep > 1):
+        parser.error("--pp runs with FSDP inside each stage only (no --tp, --ep)")
     return args
+
+
+def stage_modules(n_stages: int, n_layers: int) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part``: the layers split evenly over the stages, the embeddings on
+    the first, the norm and head on the last. Every stage holds a layer: one without a matrix for Muon is
+    refused by dmuon (torchtitan's own split can leave the norm and head alone on the last stage)."""
+    if n_layers < n_stages:
+        raise SystemExit(f"torchtitan_dmuon: {n_stages} pipeline stages need at least {n_stages} layers (--layers)")
+    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
+    out = [[f"layers.{j}" for j in range(bounds[i], bounds[i + 1])] for i in range(n_stages)]
+    out[0].insert(0, "tok_embeddings")
+    out[-1] += ["norm", "lm_head"]
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -137,8 +171,12 @@ def main(args: argparse.Namespace) -> int:
 
     # torchtitan: meshes and the debug model, built on the meta device
     # "partial_dtensor": dmuon keeps some params whole, the other backends want every param a DTensor
+    multi = args.pp_schedule in ("Interleaved1F1B", "LoopedBFS")  # two stages per rank
+    n_stages = args.pp * (2 if multi else 1)
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=args.tp,
-                                    expert_parallel_degree=args.ep)
+                                    expert_parallel_degree=args.ep, pipeline_parallel_degree=args.pp,
+                                    pipeline_parallel_schedule=args.pp_schedule,
+                                    pipeline_parallel_microbatch_size=BATCH_PER_RANK // 2)  # 2 microbatches
     # torchtitan's mixed precision (fp32 weights, bf16 compute, fp32 gradient reduce) covers the dedicated
     # matrices too (tensor-parallel ones included); on CPU the default is fp32 compute, since bf16 matmuls
     # are slow there
@@ -149,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     configs, parallelize_fn = (qwen3_configs, parallelize_qwen3) if args.moe else (llama3_configs, parallelize_llama)
     model_config = configs["debugmodel_moe" if args.moe else "debugmodel"](attn_backend="flex")
     n_layers = args.layers if args.layers is not None else (len(model_config.layers) if use_cuda else
-                                                            1 if args.moe else 2)
+                                                            max(1 if args.moe else 2, n_stages))
     model_config.layers = model_config.layers[:n_layers]
     for layer in model_config.layers:  # causal SDPA: runs on CPU too (flex attention has no CPU backward)
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -163,22 +201,31 @@ def main(args: argparse.Namespace) -> int:
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     with torch.device("meta"):
         model = model_config.build()
+    loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
 
-    # 1. dmuon dedicates the matrices, then torchtitan's own parallelize (FSDP2) shards the rest
-    model = with_dmuon(parallelize_fn)(
-        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-        compile_config=CompileConfig(), ac_config=None, dump_folder="outputs",
-    )
-    model.to_empty(device=device)
+    # 1. dmuon dedicates the matrices, then torchtitan's own parallelize (FSDP2) shards the rest; under
+    # pipeline parallelism torchtitan's pipeline_llm splits the model first and runs both on each model part
+    parallelize = dict(parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                       compile_config=CompileConfig(), ac_config=None, dump_folder="outputs")
+    schedule, first, last = None, True, True
+    if args.pp > 1:
+        parallelism.module_fqns_per_model_part = stage_modules(n_stages, n_layers)
+        schedule, parts, first, last = pipeline_llm(model, **parallelize, device=device, model_config=model_config,
+                                                    parallelize_fn=with_dmuon(parallelize_fn), loss_fn=loss_fn)
+    else:
+        parts = [with_dmuon(parallelize_fn)(model, **parallelize)]
     torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
+    for part in parts:
+        part.to_empty(device=device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+    model = parts[0]
 
     # 2. optimizers and LR schedule where torchtitan builds them
-    optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=[model])
+    optimizers = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=3e-3).build(model_parts=parts)
     if args.moe:  # the qwen3 spec's post_optimizer_build_fn: MoE load balancing before each step
-        register_moe_load_balancing_hook(optimizers, [model], parallel_dims)
+        register_moe_load_balancing_hook(optimizers, parts, parallel_dims)
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                                        training_steps=args.steps)
     # 3. torchtitan's DCP checkpointer, saving through dmuon
@@ -186,19 +233,19 @@ def main(args: argparse.Namespace) -> int:
     dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
     base_folder = holder[0]
     checkpointer = DMuonCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=args.steps, last_save_model_only=False, keep_latest_k=0,
-        initial_load_model_only=False,
-    ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        enable=len(parts) == 1, folder="checkpoint", interval=args.steps, last_save_model_only=False,
+        keep_latest_k=0, initial_load_model_only=False,
+    ).build(dataloader=None, model_parts=parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={}, sd_adapter=None, base_folder=base_folder)
     if rank == 0:
-        dedicated = dmuon.get_dedicated_params(model)
+        dedicated = [n for part in parts for n in dmuon.get_dedicated_params(part)]
         experts = [n for n, p in model.named_parameters() if p.ndim == 3]
         print(f"torchtitan_dmuon: {len(dedicated)} dedicated matrices over {dp} data-parallel x {args.tp} "
-              f"tensor-parallel ranks, {len(dmuon.get_owned_params(model))} on rank 0"
-              + (f"; {len(experts)} expert weights over {args.ep} expert-parallel ranks" if args.moe else ""),
+              f"tensor-parallel ranks, {sum(len(dmuon.get_owned_params(p)) for p in parts)} on rank 0"
+              + (f"; {len(experts)} expert weights over {args.ep} expert-parallel ranks" if args.moe else "")
+              + (f"; {len(parts)} model parts of {n_stages} stages on rank 0" if schedule else ""),
               flush=True)
 
-    loss_fn = CrossEntropyLoss.Config().build(compile_config=None)
     losses: list[float] = []
     for step in range(1, args.steps + 1):
         tok, tgt = markov_batch(step, BATCH_PER_RANK * dp)
@@ -206,16 +253,24 @@ def main(args: argparse.Namespace) -> int:
         tgt = tgt[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
         global_valid_tokens = torch.tensor(tgt.numel() * dp, device=device)
         optimizers.zero_grad()
-        loss, _ = loss_fn(model(tok), tgt, global_valid_tokens)  # local sum / global token count
-        loss.backward()
-        grad_norm = tt_dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True,
+        if schedule is None:
+            loss, _ = loss_fn(model(tok), tgt, global_valid_tokens)  # local sum / global token count
+            loss.backward()
+        else:  # the microbatches' forwards and backwards; each loss: its sum / the global token count
+            mb_losses: list[torch.Tensor] = []
+            schedule.step(*((tok,) if first else ()), target=tgt if last else None, losses=mb_losses if last else None,
+                          loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
+            loss = torch.stack(mb_losses).sum() if last else torch.zeros((), device=device)
+        grad_norm = tt_dist_utils.clip_grad_norm_([p for part in parts for p in part.parameters()], max_norm=1.0,
+                                                  foreach=True, pp_mesh=parallel_dims.get_optional_mesh("pp"),
                                                   ep_enabled=parallel_dims.ep_enabled)
         optimizers.step()
         lr_schedulers.step()
         checkpointer.save(step, last_step=step == args.steps)
 
         logged = loss.detach().clone()
-        dist.all_reduce(logged, group=dp_mesh.get_group())  # the dp ranks' parts add up to the global mean
+        # the dp ranks' parts add up to the global mean (under pp: the last stage's; the others add 0)
+        dist.all_reduce(logged, group=None if schedule is not None else dp_mesh.get_group())
         losses.append(logged.item())
         if rank == 0:
             print(f"step {step:>2}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.4f}", flush=True)
@@ -223,17 +278,18 @@ def main(args: argparse.Namespace) -> int:
     checkpointer.close()
     ok, text = loss_fell(losses, by=0.1)  # on 2 CPU ranks: -16% after 4 steps, -42% after 8
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and len(parts) == 1:
         ckpt = os.path.join(base_folder, "checkpoint", f"step-{args.steps}")
         print(f"torchtitan_dmuon: saved {ckpt} ({len(os.listdir(ckpt))} files)"
               + ("" if args.out else "; pass --out DIR to keep it"), flush=True)
-        if not args.out:
-            shutil.rmtree(base_folder)
+    if rank == 0 and not args.out:
+        shutil.rmtree(base_folder, ignore_errors=True)
+    if rank == 0:
         print(f"torchtitan_dmuon: {'OK' if ok else 'FAILED'} {text}", flush=True)
     # Free the FSDP2 modules first: they keep the process group alive past destroy_process_group(), where a
     # gloo worker still finishing the barrier above can meet the interpreter's exit (SIGABRT on
     # torch 2.13, with or without dmuon; dmuon frees its own groups itself: docs/troubleshooting.md).
-    del model, optimizers, lr_schedulers, checkpointer
+    del model, parts, schedule, optimizers, lr_schedulers, checkpointer
     gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -5,12 +5,17 @@ Two stages of ``tests._training.CFG`` (two layers): stage 0 holds the embeddings
 torch's own ``PipelineStage`` and schedules, with ``dmuon.dedicate_params`` on the stage's ``mesh["dp"]`` and
 ``fully_shard`` over the same mesh. The oracle is the whole model on one process (``torch.optim.Muon`` +
 ``torch.optim.AdamW``) over the global batch: the mean of the microbatch losses, as the schedule averages them.
+
+The schedules with several stages per rank (interleaved 1F1B, looped BFS) run :data:`CFG_V`, four layers: four
+virtual stages of one layer each (the embeddings on the first, the norm and head on the last), rank ``r`` of
+the pp dimension holding stages ``r`` and ``r + pp``, each its own module dedicated on its own, with its own
+``dmuon.Muon``, and one ``dmuon.clip_grad_norm_`` over the rank's modules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -20,12 +25,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.tools.models import TinyLlama, projection_predicate
+from dmuon.optim.qk_clip import RECORD_ATTR
+from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import rank_threads
-from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, build_model, full_weights, muon_kwargs
+from tests._training import ADAMW_HP, CFG, GLOBAL_BATCH, MUON_HP, batches, build_model, full_weights, muon_kwargs
 
 #: stage -> the layers it holds (of tests._training.CFG's two)
 LAYERS = {0: (0,), 1: (1,)}
+#: the model of the schedules with several stages per rank: one layer per virtual stage
+CFG_V = replace(CFG, n_layers=4)
+#: virtual stages per rank under those schedules
+VIRTUAL = 2
+#: the schedules with several stages per rank
+MULTI = ("interleaved", "looped_bfs")
+#: QK-clip's threshold and query share, and the factor query head 0 of every layer is scaled up by at init (its
+#: logits far above tau, the other heads below), as tests/test_qk_clip.py sets them
+TAU, ALPHA, BOOST = 8.0, 0.5, 12.0
 #: the batch whose logits the tests compare after training
 EVAL_TOKENS = batches(1, seed=99)[0][0][:2]
 
@@ -57,78 +72,159 @@ class Scenario:
     """One training run of the job."""
 
     name: str
-    schedule: str = "1f1b"  # or "gpipe"
+    schedule: str = "1f1b"  # or "gpipe", or one of MULTI
     reshard_after_forward: bool = True
     microbatches: int = 2
     #: schedule steps per optimizer step (accumulation across steps: scale_grads=False, the loss divided)
     accum: int = 1
     max_norm: float | None = None
+    #: clip through ``torch.nn.utils.clip_grad_norm_`` over every parameter of the rank's stages (torchtitan's
+    #: call), which dmuon routes to its own, instead of ``dmuon.clip_grad_norm_``
+    torch_clip: bool = False
+    #: the model reports its per-head maxima (query head 0 boosted) and every stage's dmuon.Muon clips them
+    qk_clip: bool = False
+    #: after the last step, each stage module's dmuon.diagnostics.summarize (as a dict)
+    summary: bool = False
     steps: int = 3
 
 
+def make_model(cfg: TinyLlamaConfig = CFG, *, qk_clip: bool = False) -> TinyLlama:
+    """The test model; ``qk_clip``: reporting its attention maxima, query head 0 of every layer scaled by
+    :data:`BOOST` (its logits above :data:`TAU`, every other head's below)."""
+    if not qk_clip:
+        return build_model(cfg=cfg)
+    model = build_model(cfg=replace(cfg, report_max_logits=True))
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.q_proj.weight[:cfg.head_dim] *= BOOST
+    return model
+
+
+def _optimizer(model: nn.Module, qk_clip: bool) -> dmuon.Muon:
+    return dmuon.Muon(model, **muon_kwargs(), qk_clip=dmuon.QKClip(tau=TAU, alpha=ALPHA) if qk_clip else None)
+
+
+def hand_clip_(model: TinyLlama, cfg: TinyLlamaConfig) -> None:
+    """QK-clip written out by hand from each layer's reported maxima (the oracle's side)."""
+    per, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    with torch.no_grad():
+        for layer in model.layers:
+            att = layer.attention
+            m = getattr(att, RECORD_ATTR).tolist()
+            setattr(att, RECORD_ATTR, None)
+            for h, s in enumerate(m):
+                if s > TAU:
+                    att.q_proj.weight[h * hd:(h + 1) * hd] *= (TAU / s) ** ALPHA
+            for g in range(cfg.n_kv_heads):
+                top = max(m[g * per:(g + 1) * per])
+                if top > TAU:
+                    att.k_proj.weight[g * hd:(g + 1) * hd] *= (TAU / top) ** (1 - ALPHA)
+
+
 def _schedule(name: str) -> type:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
-    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name]
+    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
+            "looped_bfs": ScheduleLoopedBFS}[name]
 
 
-def build_stage(mesh, *, reshard_after_forward: bool = True) -> tuple[Stage, dmuon.Muon]:
+def build_stage(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False) -> tuple[Stage, dmuon.Muon]:
     """This rank's stage of the test model, dedicated over ``mesh["dp"]`` and sharded with FSDP2 over it."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     layers = tuple(i for s in sorted(LAYERS) for i in LAYERS[s]) if pp == 1 else LAYERS[pp_rank]  # pp 1: every layer
-    stage = Stage(build_model(), layers, first=pp_rank == 0, last=pp_rank == pp - 1)
+    stage = Stage(make_model(qk_clip=qk_clip), layers, first=pp_rank == 0, last=pp_rank == pp - 1)
     dmuon.dedicate_params(stage, mesh["dp"], projection_predicate, reshard_after_forward=reshard_after_forward,
                           verbose=False)
     for layer in stage.layers.values():
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(stage, mesh=mesh["dp"])
-    return stage, dmuon.Muon(stage, **muon_kwargs())
+    return stage, _optimizer(stage, qk_clip)
+
+
+def build_parts(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False
+                ) -> list[tuple[int, Stage, dmuon.Muon]]:
+    """This rank's :data:`VIRTUAL` stages of :data:`CFG_V` (stage ``pp_rank + k * pp``), each dedicated over
+    ``mesh["dp"]`` on its own, sharded with FSDP2, with its own ``dmuon.Muon``: ``(stage index, module, optimizer)``."""
+    pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    n = pp * VIRTUAL
+    out = []
+    for index in range(pp_rank, n, pp):
+        part = Stage(make_model(CFG_V, qk_clip=qk_clip), (index,), first=index == 0, last=index == n - 1)
+        dmuon.dedicate_params(part, mesh["dp"], projection_predicate, reshard_after_forward=reshard_after_forward,
+                              verbose=False)
+        for layer in part.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        out.append((index, part, _optimizer(part, qk_clip)))
+    return out
 
 
 def run_scenario(mesh, sc: Scenario) -> dict:
-    """Train ``sc`` on this rank's stage; every rank returns its stage's weights, the last stage its losses."""
+    """Train ``sc`` on this rank's stage (or stages); every rank returns its stages' weights, the last stage its
+    losses."""
     from torch.distributed.pipelining import PipelineStage
 
     torch.manual_seed(0)
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    model, opt = build_stage(mesh, reshard_after_forward=sc.reshard_after_forward)
-    pipe = PipelineStage(model, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    if sc.schedule in MULTI:
+        parts = build_parts(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip)
+    else:
+        parts = [(pp_rank, *build_stage(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip))]
+    n_stages = pp * len(parts)
+    models, opts = [m for _, m, _ in parts], [o for _, _, o in parts]
+    pipes = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()) for i, m, _ in parts]
+    first, last = any(p.is_first for p in pipes), any(p.is_last for p in pipes)
     scale = sc.microbatches * sc.accum
 
     def loss_fn(logits, targets):
         return lm_loss(logits, targets) / (sc.accum if sc.accum > 1 else 1)
 
-    schedule = _schedule(sc.schedule)(pipe, n_microbatches=sc.microbatches, loss_fn=loss_fn,
-                                      scale_grads=sc.accum == 1)
+    schedule = _schedule(sc.schedule)(pipes if sc.schedule in MULTI else pipes[0], n_microbatches=sc.microbatches,
+                                      loss_fn=loss_fn, scale_grads=sc.accum == 1)
+    clip_target = models if sc.schedule in MULTI else models[0]
+
+    def clip(max_norm: float) -> float:
+        if sc.torch_clip:
+            return torch.nn.utils.clip_grad_norm_([p for m in models for p in m.parameters()], max_norm).item()
+        return dmuon.clip_grad_norm_(clip_target, max_norm).item()
     per = GLOBAL_BATCH // dp
-    losses, norms, clipped, reduces = [], [], [], []
+    losses, norms, clipped, reduces, qk = [], [], [], [], []
     for tok, tgt in batches(sc.steps):
         tok, tgt = tok[dp_rank * per:(dp_rank + 1) * per], tgt[dp_rank * per:(dp_rank + 1) * per]
-        dmuon.diagnostics.reset_comm_counts(model)
-        opt.zero_grad()
+        for model, opt in zip(models, opts):
+            dmuon.diagnostics.reset_comm_counts(model)
+            opt.zero_grad()
         mb: list[torch.Tensor] = []
         chunk = per // sc.accum
         for a in range(sc.accum):
             part = slice(a * chunk, (a + 1) * chunk)
-            if pipe.is_first:
+            if first:
                 schedule.step(tok[part])
             else:
                 out: list[torch.Tensor] = []  # the schedule refills the list it is given
                 schedule.step(target=tgt[part], losses=out)
                 mb.extend(out)
         if sc.max_norm is not None:  # the norm, then the norm of what clipping left (a second clip that scales by 1)
-            norms.append(dmuon.clip_grad_norm_(model, sc.max_norm).item())
-            clipped.append(dmuon.clip_grad_norm_(model, 1e30).item())
-        opt.step()
-        counts = dmuon.diagnostics.comm_counts(model)
-        reduces.append((counts["reduce"]["elements"], counts["reduce"]["calls"],
-                        counts["forward_broadcast"]["elements"], counts["backward_broadcast"]["elements"]))
+            norms.append(clip(sc.max_norm))
+            clipped.append(clip(1e30))
+        for opt in opts:
+            opt.step()
+        if sc.qk_clip and opts[0].qk_clip is not None:  # this rank's stages: the heads each clipped and the attention modules it saw
+            qk.append([(o.qk_clip.stats.clipped_heads, sorted(o.qk_clip.stats.max_logits)) for o in opts])
+        counts = [dmuon.diagnostics.comm_counts(model) for model in models]
+        reduces.append(tuple(sum(c[kind][field] for c in counts) for kind, field in (
+            ("reduce", "elements"), ("reduce", "calls"), ("forward_broadcast", "elements"),
+            ("backward_broadcast", "elements"))))
         if mb:  # the mean loss of this rank's microbatches (each already divided by accum)
             losses.append(sum(x.item() for x in mb) * (sc.accum if sc.accum > 1 else 1) / scale)
-    P = sum(p.numel() for p in dmuon.get_dedicated_params(model).values())
-    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": full_weights(model), "reduces": reduces,
-            "P": P, "dp": dp, "pp_rank": pp_rank}
+    summaries = [dmuon.diagnostics.summarize(m, optimizer=o).as_dict() for m, o in zip(models, opts)] if sc.summary else []
+    P = sum(p.numel() for model in models for p in dmuon.get_dedicated_params(model).values())
+    weights = {k: v for model in models for k, v in full_weights(model).items()}
+    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights, "reduces": reduces,
+            "P": P, "dp": dp, "pp_rank": pp_rank, "qk": qk, "summaries": summaries,
+            "dedicated": sorted(n for m in models for n in dmuon.get_dedicated_params(m))}
 
 
 def pipeline_job(rank: int, world: int, pp: int, scenarios: list[Scenario],
@@ -154,29 +250,34 @@ def merge(results: list[dict], name: str) -> dict:
     return {"losses": losses, "weights": weights, "norms": runs[0]["norms"], "clipped": runs[0]["clipped"]}
 
 
-def logits_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+def logits_of(weights: dict[str, torch.Tensor], cfg: TinyLlamaConfig = CFG) -> torch.Tensor:
     """The whole model's logits on :data:`EVAL_TOKENS` with these weights, on one process."""
-    model = build_model()
+    model = build_model(cfg=cfg)
     model.load_state_dict(weights)
     with torch.no_grad():
         return model(EVAL_TOKENS).logits
 
 
 @rank_threads()
-def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = False) -> dict:
+def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = False,
+           cfg: TinyLlamaConfig = CFG, qk_clip: bool = False) -> dict:
     """The whole model on one process: ``torch.optim.Muon`` for the projections, ``torch.optim.AdamW`` for the
     rest, over the global batch. ``max_norm``: clipped by torch's ``clip_grad_norm_`` over every parameter, or
-    with ``per_stage_clip`` each stage's parameters by their own norm (the wrong variant); ``"clipped"``: the
-    total norm of the gradients after clipping, each step."""
+    with ``per_stage_clip`` each half of the model by its own norm (the wrong variant: each of two stages
+    clipping alone, or under :data:`CFG_V` each rank clipping each of its stage modules alone, so stages 0-1 and
+    2-3 apart); ``"clipped"``: the total norm of
+    the gradients after clipping, each step. ``cfg``: :data:`CFG_V` for the schedules with several stages per
+    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`)."""
     torch.manual_seed(0)
-    model = build_model()
+    model = make_model(cfg, qk_clip=qk_clip)
     named = list(model.named_parameters())
     opt_m = torch.optim.Muon([p for n, p in named if projection_predicate(n, p)], lr=MUON_HP.lr,
                              weight_decay=MUON_HP.weight_decay, momentum=MUON_HP.momentum, nesterov=MUON_HP.nesterov,
                              ns_coefficients=MUON_HP.ns_coefficients, ns_steps=MUON_HP.ns_steps, eps=MUON_HP.eps,
                              adjust_lr_fn=MUON_HP.adjust_lr_fn.value)
     opt_a = torch.optim.AdamW([p for n, p in named if not projection_predicate(n, p)], **ADAMW_HP.group_entries())
-    stage_of = {n: (0 if n.startswith(("tok_embeddings", "layers.0.")) else 1) for n, _ in named}
+    half = tuple(f"layers.{i}." for i in range(cfg.n_layers // 2))
+    stage_of = {n: (0 if n.startswith(("tok_embeddings", *half)) else 1) for n, _ in named}
     losses, norms, clipped = [], [], []
     for tok, tgt in batches(steps):
         opt_m.zero_grad()
@@ -192,9 +293,12 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
             clipped.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for _, p in named])).item())
         opt_m.step()
         opt_a.step()
+        if qk_clip:
+            hand_clip_(model, cfg)
         losses.append(loss.item())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights, "logits": logits_of(weights)}
+    return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights,
+            "logits": logits_of(weights, cfg)}
 
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ __all__ = ["clip_grad_norm_", "install_torch_clip_routing"]
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    model: nn.Module | Sequence[nn.Module], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """Clip the gradients of every trainable parameter of ``model`` by their global norm; return the norm.
 
@@ -49,30 +49,63 @@ def clip_grad_norm_(
     backend's MAX could drop a NaN), so ``error_if_nonfinite=True`` raises on every rank together.
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on a dmuon model comes here too.
 
+    ``model`` may be a list of dmuon models: the stage modules one rank holds under an interleaved pipeline
+    schedule (each dedicated on its own), clipped by one norm over all of them and every other rank's.
+
     Example::
 
         loss.backward()
         norm = dmuon.clip_grad_norm_(model, max_norm=1.0)
         optimizer.step()
     """
-    return _clip(engines.state_of(model), list(model.parameters()), max_norm, norm_type, error_if_nonfinite)
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    if not parts or not all(isinstance(m, nn.Module) for m in parts):
+        raise TypeError("dmuon.clip_grad_norm_: model must be a module or a non-empty list of modules (this rank's "
+                        f"pipeline stage modules), got {type(model).__name__}")
+    return _clip([(engines.state_of(m), list(m.parameters())) for m in parts], max_norm, norm_type,
+                 error_if_nonfinite)
 
 
 @torch.no_grad()
-def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_type: float,
+def _clip(parts: list[tuple[DMuonState, list[torch.Tensor]]], max_norm: float, norm_type: float,
           error_if_nonfinite: bool) -> torch.Tensor:
-    """The norm over ``params`` (parameters of ``state``'s model, the same list on every rank), and clip."""
+    """The norm over each part's ``params`` (parameters of its state's model, the same lists on every rank of
+    its stage), and clip. One reduce over the job, whatever the number of parts."""
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not max_norm >= 0 or math.isnan(max_norm):
         raise ValueError(f"dmuon.clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
     if not (norm_type > 0 or math.isinf(norm_type)):
         raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}")
+    for state, _ in parts:
+        engines.of(state.model).check_norm("dmuon.clip_grad_norm_")
+    ctx = parts[0][0].ctx
+    inf = math.isinf(norm_type)
+    grads: list[torch.Tensor] = []  # local tensors to scale
+    acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for state, params in parts:
+        share = _share(state, params, norm_type, grads)
+        acc = torch.maximum(acc, share) if inf else acc + share
+    if inf:  # NaN-propagating across ranks, whatever the backend's MAX does
+        total = C.all_reduce_max(ctx, acc)
+    else:
+        total = C.all_reduce_sum(ctx, acc) ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for local in grads:
+        # the fp32 factor as is: rounding it to a bf16 gradient's dtype first would scale by up to 0.4% off
+        local.mul_(coef.to(local.device))
+    return total
+
+
+def _share(state: DMuonState, params: list[torch.Tensor], norm_type: float, grads: list[torch.Tensor]
+           ) -> torch.Tensor:
+    """This rank's share of the norm of ``params`` (the max for ``norm_type=inf``, else the sum of powers);
+    appends the local tensors to scale to ``grads``."""
     engine = engines.of(state.model)
-    engine.check_norm("dmuon.clip_grad_norm_")
     state.wait_all_reduces()
     ctx = state.ctx
     inf = math.isinf(norm_type)
-    grads: list[torch.Tensor] = []  # local tensors to scale
     acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
     main_grads = {id(dp.param): dp.main_grad for dp in state.dedicated() if dp.main_grad is not None}
     # tensor parallel: dmuon's ranks are one dp row per tp index; a tensor-parallel shard counts on its
@@ -94,17 +127,7 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
         if counts and local.numel():
             n = torch.linalg.vector_norm(local.float(), norm_type).to(ctx.device)
             acc = torch.maximum(acc, n) if inf else acc + n**norm_type
-    if inf:  # NaN-propagating across ranks, whatever the backend's MAX does
-        total = C.all_reduce_max(ctx, acc)
-    else:
-        total = C.all_reduce_sum(ctx, acc) ** (1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"dmuon.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for local in grads:
-        # the fp32 factor as is: rounding it to a bf16 gradient's dtype first would scale by up to 0.4% off
-        local.mul_(coef.to(local.device))
-    return total
+    return acc
 
 
 # ---------------------------------------------------------------------- #
@@ -115,22 +138,27 @@ def _clip(state: DMuonState, params: list[torch.Tensor], max_norm: float, norm_t
 # shards, plain gradients, and nothing for dedicated gradients owned elsewhere, so each rank would get a
 # different, wrong norm (or torch's "mixed torch.Tensor and DTensor" error). ``import dmuon`` therefore
 # routes ``torch.nn.utils.clip_grad_norm_`` (both names torch exports it under) to :func:`_clip` when the
-# parameters belong to a dmuon model: the true global norm, clipped, on every rank alike. A reference
+# parameters belong to a dmuon model (or to several: one rank's pipeline stage modules, clipped by one norm):
+# the true global norm, clipped, on every rank alike. A reference
 # bound before ``import dmuon`` (``from torch.nn.utils import clip_grad_norm_``) and
 # ``torch.nn.utils.get_total_norm`` see only gradients, not parameters; given gradients of a dmuon model
 # they raise, naming dmuon.clip_grad_norm_, on every rank (every rank passes the FSDP2 and plain ones).
 
 
-def _state_of(params: list[torch.Tensor]) -> DMuonState | None:
-    """The dmuon model the dedicated parameters among ``params`` belong to (``None``: no dedicated one)."""
+def _parts_of(params: list[torch.Tensor]) -> list[tuple[DMuonState, list[torch.Tensor]]] | None:
+    """``params`` split by the dmuon model each belongs to (one, or this rank's pipeline stage modules); a
+    param of no dmuon model counts with the first. ``None``: no dedicated param among them."""
     if not any(is_dedicated(p) for p in params):
         return None
-    ids = {id(p) for p in params}
-    hits = [st for st in live_states() if any(id(dp.param) in ids for dp in st.dedicated())]
-    if len(hits) != 1:
-        raise ValueError("dmuon: torch.nn.utils.clip_grad_norm_ over dedicated parameters of "
-                         f"{len(hits)} dmuon models; clip each with dmuon.clip_grad_norm_(model, max_norm).")
-    return hits[0]
+    owner = {id(p): st for st in live_states() for p in st.model.parameters()}
+    parts: dict[int, tuple[DMuonState, list[torch.Tensor]]] = {}
+    for p in params:
+        st = owner.get(id(p))
+        if st is not None:
+            parts.setdefault(id(st), (st, []))[1].append(p)
+    out = list(parts.values())
+    out[0][1].extend(p for p in params if id(p) not in owner)
+    return out
 
 
 def _dmuon_grad_ids() -> set[int]:
@@ -146,10 +174,10 @@ def _routed_clip(original: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        state = _state_of(params)
-        if state is None:
+        parts = _parts_of(params)
+        if parts is None:
             return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        return _clip(state, params, max_norm, norm_type, error_if_nonfinite)
+        return _clip(parts, max_norm, norm_type, error_if_nonfinite)
 
     clip_grad_norm_._dmuon_original = original  # type: ignore[attr-defined]
     return clip_grad_norm_

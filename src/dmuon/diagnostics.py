@@ -151,13 +151,15 @@ class Summary:
 
     def table(self) -> str:
         kinds = _KINDS + (("tp_exchange",) if any("tp_exchange" in r["expected"] for r in self.rows) else ())
-        head = (f"{'rank':>4} {'slot':>4} {'owned':>5} {'elements':>12} {'MiB':>9} {'NS share':>8}  "
-                + "  ".join(f"{k} expected/measured" for k in kinds))
+        staged = any(r.get("stage", 0) for r in self.rows)  # pipeline stages: a stage column
+        stage = (lambda r: f"{r['stage']:>5} ") if staged else (lambda r: "")
+        head = (f"{'rank':>4} " + ("stage " if staged else "") + f"{'slot':>4} {'owned':>5} {'elements':>12} "
+                f"{'MiB':>9} {'NS share':>8}  " + "  ".join(f"{k} expected/measured" for k in kinds))
         lines = [head]
         total_flops = sum(r["ns_flops"] for r in self.rows) or 1
         for r in self.rows:
             moved = "  ".join(f"{r['expected'].get(k, 0):,}/{r['measured'].get(k, 0):,}" for k in kinds)
-            lines.append(f"{r['rank']:>4} {r['slot']:>4} {len(r['owned']):>5} {r['owned_elements']:>12,} "
+            lines.append(f"{r['rank']:>4} {stage(r)}{r['slot']:>4} {len(r['owned']):>5} {r['owned_elements']:>12,} "
                          f"{r['owned_bytes'] / 2**20:>9.2f} {r['ns_flops'] / total_flops:>8.1%}  {moved}")
         for r in self.rows:
             lines.append(f"rank {r['rank']}: " + ", ".join(f"{p['fqn']} {tuple(p['shape'])}" for p in r["owned"]))
@@ -175,7 +177,9 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     should move by kind (``docs/architecture.md`` section 5) next to what the counters measured since the
     last :func:`reset_comm_counts`, and with ``optimizer`` the NS call of each shape group
     (:func:`ns_backends`) and, under tensor parallelism, the elements each step sends over "tp"
-    (``tp_exchange``) and this tp rank's NS flops. Collective: every rank gets every row.
+    (``tp_exchange``) and this tp rank's NS flops. Collective: every rank gets every row. Under pipeline
+    parallelism each row names its rank's ``stage`` and counts that stage's matrices (``P`` is the stage's);
+    with several stage modules per rank, call it once per module, every rank in the same order.
 
     Example::
 
@@ -199,7 +203,10 @@ def summarize(model: nn.Module, *, optimizer: Muon | None = None) -> Summary:
     counts = comm_counts(model)
     tp_size = state.tp_mesh.size() if state.tp_mesh is not None else 1
     row = {
-        "rank": torch.distributed.get_rank(), "slot": ctx.rank, "layout": state.layout,
+        # under pipeline parallelism: the rank's stage (an index into its model's Topology.stages, ordered by
+        # lowest rank) and the stage's share; every rank's row is gathered over the whole job
+        "rank": torch.distributed.get_rank(), "slot": ctx.rank, "stage": state.topology.stage,
+        "layout": state.layout,
         "owned": [{"fqn": dp.fqn, "shape": list(dp.shape), "numel": dp.shape.numel(),
                    "bytes": dp.shape.numel() * torch.empty((), dtype=dp.dtype).element_size(),
                    "route": dp.route.value,  # an adamw_owner param runs no NS

@@ -26,6 +26,7 @@ the rest: ``lse - max -> 0``). Clipping with it is conservative: a clipped head 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn as nn
@@ -94,11 +95,35 @@ def record_max_logits(module: nn.Module, values: Tensor) -> None:
 
         dmuon.qk_clip.record_max_logits(self, dmuon.qk_clip.max_logits(q, k, is_causal=True))
     """
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or _in_pipeline_shape_inference():
         return
     values = values.detach().float()
     seen = getattr(module, RECORD_ATTR, None)
     setattr(module, RECORD_ATTR, values if seen is None else torch.maximum(seen, values))
+
+
+# [Note: pipeline shape inference]
+# torch's ``PipelineStage`` (torch 2.13, "dynamic" mode: no ``input_args`` / ``output_args`` given) learns its
+# stage's shapes at the first ``schedule.step`` by running the stage module once, with autograd on, on inputs
+# made by ``torch.empty`` (``stage.py``: ``_forward_metadata_inference``, ``_to_tensor``). Its logits are those of
+# uninitialised memory: reported, they would clip heads at the first step by whatever that memory held. A
+# report made inside that call is dropped; it is recognised by the function's name and file on the call stack
+# (a private name: another torch that renames it reports again, which the pipeline QK-clip test would show).
+_SHAPE_INFERENCE = "_forward_metadata_inference"
+
+
+def _in_pipeline_shape_inference() -> bool:
+    """Whether this forward is torch's pipeline shape inference ([Note: pipeline shape inference])."""
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == _SHAPE_INFERENCE and code.co_filename.endswith(("pipelining/stage.py",
+                                                                            "pipelining\\stage.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, module: nn.Module,

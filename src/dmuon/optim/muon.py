@@ -225,7 +225,7 @@ class Muon(torch.optim.Optimizer):
         resolved, clipped = self._resolve(model, state, param_groups, taken=(), first_index=0, with_defaults=True,
                                           checked=checked, qk_clip=qk_clip)
         #: MuonClip's QK-clip ([Note: QK-clip] in ``dmuon/optim/qk_clip.py``): its settings and last ``stats``
-        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, clipped, state.ctx)
+        self.qk_clip: QKClipper | None = None if qk_clip is None else QKClipper(qk_clip, clipped, state)
         state.bind_if_needed()
         internal = self._torch_groups(model, state, resolved)
         self._check_sharded([g for g, _ in internal], state)

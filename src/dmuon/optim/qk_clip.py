@@ -17,6 +17,10 @@ each module, and read by ``dmuon.Muon.step()`` after the updates and before HSDP
 master where it keeps one, rounded into the parameter as a step's result is), so the next forward's broadcast
 carries the clipped weights and every rank applies the same factors. The matrices must be dedicated to one
 owner (``Route.MUON``): an owner holds W_q and W_k whole, so the per-head rescale needs no communication.
+Under pipeline parallelism each stage holds other attention modules: the all-reduce runs over the stage's
+data-parallel ranks only (the ranks that hold the same modules), so each stage clips its heads by its own
+maxima, which are the whole job's maxima of those heads ([Note: pipeline stages] in
+``dmuon/runtime/topology.py``); the stats and the log line are the stage's (logged by each stage's first rank).
 
 Which rows belong to which head: :class:`QKHeads`, given or found (:func:`find_heads`): ``q_proj``/``k_proj``
 (HF transformers, dmuon's tiny Llama), ``wq``/``wk`` (torchtitan, also under ``qkv_linear``), and fused
@@ -244,14 +248,16 @@ class QKClipper:
         print(optimizer.qk_clip.config.tau, optimizer.qk_clip.stats.heads)
     """
 
-    def __init__(self, config: QKClip, attentions: Sequence[_Attention], ctx: Any) -> None:
-        self.config, self._ctx = config, ctx
+    def __init__(self, config: QKClip, attentions: Sequence[_Attention], state: Any) -> None:
+        self.config, self._ctx = config, state.ctx
+        #: pipeline stages: the maxima are gathered over this rank's stage (the ranks holding these modules)
+        self._pipelined: bool = state.topology.pipelined
         self._attentions: list[_Attention] = list(attentions)
         self.stats = QKClipStats(heads=sum(a.heads.n_heads for a in attentions))
 
     def gather(self) -> Tensor:
-        """Every head's largest logit since the last step, over the whole job (one all-reduce), and forget the
-        reports. Raises on every rank if no attention module reported any (the forward side is not wired)."""
+        """Every head's largest logit since the last step, over the whole job (one all-reduce; under pipeline
+        stages over this stage's ranks, which hold these heads), and forget the reports. Raises on every rank if no attention module reported any (the forward side is not wired)."""
         parts = []
         for a in self._attentions:
             seen = getattr(a.module, RECORD_ATTR, None)
@@ -260,8 +266,11 @@ class QKClipper:
                                  f"expected one per query head ({a.heads.n_heads})")
             parts.append(torch.full((a.heads.n_heads,), -math.inf) if seen is None else seen.float().cpu())
             setattr(a.module, RECORD_ATTR, None)
-        maxima = C.all_reduce_max(self._ctx, torch.cat(parts).to(self._ctx.device)).cpu()
-        if bool((maxima == -math.inf).all()):
+        maxima = C.all_reduce_max(self._ctx, torch.cat(parts).to(self._ctx.device), stage=self._pipelined).cpu()
+        silent = torch.tensor([float((maxima == -math.inf).all())], device=self._ctx.device)
+        if self._pipelined:  # a stage whose modules reported nothing stops every stage, not only its own
+            silent = C.all_reduce_max(self._ctx, silent)
+        if bool(silent.item()):
             raise RuntimeError(
                 "dmuon.QKClip: no attention module reported its largest logits since the last step, so nothing "
                 "can be clipped. Compute attention with dmuon.qk_clip.scaled_dot_product_attention(..., "
@@ -321,8 +330,6 @@ def clip_layout(config: object, model: nn.Module, state: Any) -> list[_Attention
     :func:`agreement_view` of every rank before it builds the :class:`QKClipper`."""
     if not isinstance(config, QKClip):
         raise TypeError(f"dmuon.Muon: qk_clip must be a dmuon.QKClip or None, got {type(config).__name__}")
-    if state.topology.pipelined:
-        raise ValueError("QK-clip with pipeline stages is not supported yet: pass qk_clip=None")
     return _resolve(config, model, state)
 
 

@@ -496,15 +496,16 @@ def all_reduce_sum(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def all_reduce_max(ctx: CommContext, value: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(ctx: CommContext, value: torch.Tensor, *, stage: bool = False) -> torch.Tensor:
     """The elementwise maximum of a few-element tensor over every rank of the job, NaN-propagating like
     ``torch.maximum``: a backend's MAX may drop a NaN (gloo's does), so whether any rank had one travels
-    as a flag beside the values. Returns a new tensor; not counted."""
+    as a flag beside the values. ``stage``: over this rank's pipeline stage only (its data-parallel ranks,
+    which hold the same modules: QK-clip's per-head maxima). Returns a new tensor; not counted."""
     if dist.get_world_size() == 1:
         return value
     packed = torch.cat([torch.nan_to_num(value, nan=-math.inf, posinf=math.inf, neginf=-math.inf).reshape(-1),
                         torch.isnan(value).reshape(-1).to(value.dtype)])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_job_group(ctx))
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=ctx.groups[Dim.WORLD] if stage else _job_group(ctx))
     n = value.numel()
     return torch.where(packed[n:] > 0, torch.full_like(packed[:n], math.nan), packed[:n]).view_as(value)
 

@@ -6,7 +6,10 @@ and calls ``dedicate_params`` on that stage with the stage's data-parallel mesh 
 only the ranks of its stage. dmuon never needs to be told about the pipeline dimension: the ranks a rank's
 meshes link to (its shard row, its replicate column, its tp ranks) are the ranks that hold the same part of
 the model, so the stages are the connected parts of those links, learnt from the one gather
-``dedicate_params`` runs anyway. A job without pipeline parallelism is one stage holding every rank.
+``dedicate_params`` runs anyway. A job without pipeline parallelism is one stage holding every rank. Under an
+interleaved schedule a rank holds several stage modules, each dedicated on its own over the same ``mesh["dp"]``
+(every rank in the same order): each module's :class:`Topology` names the ranks of the rank's dp group, which
+hold the same stage modules, so everything below holds per module; ``clip_grad_norm_`` takes the rank's list.
 
 What follows from it, everywhere else:
 

@@ -45,7 +45,8 @@ Scope (each checked with a ``ValueError`` naming the setting):
 
 * data parallelism, FSDP or HSDP (``data_parallel_replicate_degree > 1``), tensor parallelism over either
   (``tensor_parallel_degree > 1``, torchtitan 0.3.0's ``model.parallelize`` plan) and expert parallelism
-  with FSDP or HSDP (``expert_parallel_degree > 1``); no CP or PP, since dmuon's mesh must cover every rank;
+  with FSDP or HSDP (``expert_parallel_degree > 1``); pipeline parallelism (``pipeline_parallel_degree > 1``)
+  with FSDP inside each stage, one ``dmuon.Muon`` per model part (not with TP, EP or HSDP yet); no CP;
   under TP no ``compile.enable_async_tensor_parallel`` (untested); with experts on Muon, no EP with TP
   (untested), no EP over more FSDP shard ranks than experts and no TP without EP (both split experts across
   ranks; [Note: torchtitan MoE]);

@@ -184,6 +184,12 @@ class DMuonCheckpointManager(CheckpointManager):
         sd_adapter: Any,
         base_folder: str = "",
     ) -> None:
+        if config.enable and sum(_has_dmuon(m) for m in model_parts) > 1:  # every rank holds as many parts
+            raise ValueError(
+                f"DMuonCheckpointManager: {len(model_parts)} model parts on this rank (a pipeline schedule with "
+                "several stages per rank); checkpoints of several dmuon parts per rank are not supported yet: use a "
+                "schedule with one stage per rank (1F1B, GPipe), or enable=False."
+            )
         for m in model_parts:  # before the stock ModelWrapper reads model.state_dict() once
             if _has_dmuon(m):
                 _adopt(m)

@@ -88,16 +88,18 @@ def _register_grad_scale(model: nn.Module, optimizer: dmuon.Muon) -> list[Remova
     return [p.register_hook(functools.partial(_scale, factor)) for p in params]
 
 
-def _model_of(params: list[torch.Tensor]) -> nn.Module:
-    """The adopted dmuon model whose parameters are exactly ``params`` (what the Trainer passes)."""
-    ids = {id(p) for p in params}
-    for model in list(_MODELS):
-        if {id(p) for p in model.parameters()} == ids:
-            return model
+def _models_of(params: list[torch.Tensor]) -> list[nn.Module]:
+    """The adopted dmuon models whose parameters together are exactly ``params`` (what the Trainer passes: one
+    model, or under pipeline parallelism this rank's model parts), in the order of ``params``."""
+    index = {id(p): i for i, p in enumerate(params)}
+    models = [m for m in list(_MODELS) if any(id(p) in index for p in m.parameters())]
+    models.sort(key=lambda m: min(index.get(id(p), len(params)) for p in m.parameters()))
+    if models and {id(p) for m in models for p in m.parameters()} == index.keys():
+        return models
     raise ValueError(
         f"dmuon torchtitan clip_grad_norm_: the {len(params)} parameters include dedicated ones but are not all the "
-        "parameters of one model prepared with dmuon_model_spec / with_dmuon / dedicate; clip the whole model "
-        "(dmuon.clip_grad_norm_(model, max_norm))."
+        "parameters of the model (or of this rank's pipeline model parts) prepared with dmuon_model_spec / "
+        "with_dmuon / dedicate; clip the whole model (dmuon.clip_grad_norm_(model_parts, max_norm))."
     )
 
 
@@ -112,9 +114,10 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """torchtitan's ``clip_grad_norm_`` signature over :func:`dmuon.clip_grad_norm_`. Collective.
 
-    ``parameters`` must be all the parameters of one dmuon model, as the Trainer passes them. The norm is the
-    global one (dedicated gradients on their owners, FSDP2 shards, plain gradients once), identical on every
-    rank; ``foreach`` is ignored. Pipeline parallelism is refused; under expert parallelism
+    ``parameters`` must be all the parameters of one dmuon model, or under pipeline parallelism of this rank's
+    model parts, as the Trainer passes them. The norm is the global one (dedicated gradients on their owners,
+    FSDP2 shards, plain gradients once; every stage's), identical on every rank; ``foreach`` is ignored, and so
+    is ``pp_mesh`` (dmuon's norm already sums over every rank of every stage). Under expert parallelism
     (``ep_enabled``) the experts' gradients are DTensors over ("efsdp", "ep"), and each rank counts its own
     shard of them as of every other FSDP2 gradient.
 
@@ -125,10 +128,7 @@ def clip_grad_norm_(
         optimizers.step()
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if pp_mesh is not None:
-        raise ValueError(
-            f"dmuon torchtitan clip_grad_norm_: pipeline parallelism is not supported (pp_mesh={pp_mesh!r})")
-    return dmuon.clip_grad_norm_(_model_of(params), max_norm, norm_type, error_if_nonfinite)
+    return dmuon.clip_grad_norm_(_models_of(params), max_norm, norm_type, error_if_nonfinite)
 
 
 def _install_clip_patch() -> None:
@@ -199,8 +199,8 @@ def dmuon_param_groups(model: nn.Module, configs: Sequence[ParamGroupConfig]) ->
 
 
 class DMuonOptimizersContainer(OptimizersContainer):
-    """torchtitan's optimizer container holding one :class:`dmuon.Muon` (Muon on owned dedicated matrices,
-    AdamW on everything else).
+    """torchtitan's optimizer container holding one :class:`dmuon.Muon` per model part (Muon on owned dedicated
+    matrices, AdamW on everything else): one part, or under pipeline parallelism each of this rank's stages.
 
     Build it from its config where torchtitan builds optimizers (``Trainer.Config.optimizer``), or directly
     with ``DMuonOptimizersContainer.Config(...).build(model_parts=[model])`` after the model is
@@ -257,12 +257,25 @@ class DMuonOptimizersContainer(OptimizersContainer):
                 )
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        if len(model_parts) != 1:
-            raise ValueError(
-                f"DMuonOptimizersContainer: expected one model part (no pipeline parallelism), got {len(model_parts)}"
-            )
-        model = model_parts[0]
-        muon = dmuon.Muon(
+        if not model_parts:
+            raise ValueError("DMuonOptimizersContainer: model_parts is empty; pass the model (or this rank's "
+                             "pipeline model parts) as a list")
+        self.optimizers = [self._build_muon(config, model) for model in model_parts]
+        self.model_parts = list(model_parts)
+        #: the first part (the model itself without pipeline parallelism)
+        self.model = model_parts[0]
+        #: set by DMuonCheckpointManager while it loads: state_dict() gives staged copies ([Note: staged loads])
+        self._staged = False
+        self._grad_scale_hooks = [h for model, muon in zip(model_parts, self.optimizers)
+                                  for h in _register_grad_scale(model, muon)]
+        for model in model_parts:
+            _adopt(model)
+        _install_clip_patch()
+        self._post_init([p for muon in self.optimizers for g in muon.param_groups for p in g["params"]])
+
+    @staticmethod
+    def _build_muon(config: Config, model: nn.Module) -> dmuon.Muon:
+        return dmuon.Muon(
             model, algorithm=config.algorithm, **{name: getattr(config, name) for name in NorMuonHParams.names()},
             adamw_lr=config.adamw_lr, adamw_betas=tuple(config.adamw_betas),
             adamw_eps=config.adamw_eps, adamw_weight_decay=config.adamw_weight_decay,
@@ -270,18 +283,10 @@ class DMuonOptimizersContainer(OptimizersContainer):
             replicate_async=config.replicate_async,
             param_groups=dmuon_param_groups(model, config.param_groups) if config.param_groups else None,
         )
-        self.model_parts = list(model_parts)
-        self.model = model
-        self.optimizers = [muon]
-        #: set by DMuonCheckpointManager while it loads: state_dict() gives staged copies ([Note: staged loads])
-        self._staged = False
-        self._grad_scale_hooks = _register_grad_scale(model, muon)
-        _adopt(model)
-        _install_clip_patch()
-        self._post_init([p for g in muon.param_groups for p in g["params"]])
 
     @property
     def muon(self) -> dmuon.Muon:
+        """The first part's optimizer (the only one without pipeline parallelism)."""
         return self.optimizers[0]
 
     def state_dict(self) -> dict[str, Any]:
@@ -293,7 +298,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         every rank, so a corrupted or torn optimizer checkpoint is refused like a model one. While
         :class:`DMuonCheckpointManager` loads, the tensors are staged copies instead ([Note: staged loads]).
         """
-        nested = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True, staged=self._staged)
+        flat: dict[str, Any] = {}
+        for model, muon in zip(self.model_parts, self.optimizers):  # FQN keys: the parts' never overlap
+            flat.update(self._flat(model, muon))
+        return flat
+
+    def _flat(self, model: nn.Module, muon: dmuon.Muon) -> dict[str, Any]:
+        nested = dmuon.get_optimizer_state_dict(model, muon, sharded=True, staged=self._staged)
         flat: dict[str, Any] = {}
         for fqn, entry in nested["state"].items():
             for name, value in entry.items():
@@ -315,12 +326,13 @@ class DMuonOptimizersContainer(OptimizersContainer):
         ``dmuon.set_optimizer_state_dict`` validates the rest and compares the checksums before anything
         changes. (:class:`DMuonCheckpointManager` loads the model and this optimizer together instead.)
         """
-        dmuon.set_optimizer_state_dict(self.model, self.muon, self.nested_state_dict(state_dict))
+        for i, (model, muon) in enumerate(zip(self.model_parts, self.optimizers)):
+            dmuon.set_optimizer_state_dict(model, muon, self.nested_state_dict(state_dict, part=i))
 
-    def nested_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """dmuon's sharded dict (``dmuon.set_optimizer_state_dict``'s input) from a flat one of
-        :meth:`state_dict`'s layout; an entry it lacks keeps the live value. Collective."""
-        template = dmuon.get_optimizer_state_dict(self.model, self.muon, sharded=True)
+    def nested_state_dict(self, state_dict: dict[str, Any], *, part: int = 0) -> dict[str, Any]:
+        """dmuon's sharded dict (``dmuon.set_optimizer_state_dict``'s input) of model part ``part`` from a flat
+        one of :meth:`state_dict`'s layout; an entry it lacks keeps the live value. Collective."""
+        template = dmuon.get_optimizer_state_dict(self.model_parts[part], self.optimizers[part], sharded=True)
         state = {
             fqn: {name: state_dict.get(f"state.{canonical_fqn(fqn)}.{name}", value) for name, value in entry.items()}
             for fqn, entry in template["state"].items()

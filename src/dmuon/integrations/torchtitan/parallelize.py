@@ -77,16 +77,20 @@ def default_predicate(fqn: str, param: nn.Parameter) -> bool:
 def _check_parallel_dims(parallel_dims: ParallelDims) -> None:
     if not isinstance(parallel_dims, ParallelDims):
         raise TypeError(f"dmuon torchtitan: expected torchtitan's ParallelDims, got {type(parallel_dims).__name__}")
-    others = {
-        "context_parallel_degree": parallel_dims.cp,
-        "pipeline_parallel_degree": parallel_dims.pp,
-    }
-    unsupported = {k: v for k, v in others.items() if v != 1}
-    if unsupported:
+    if parallel_dims.cp != 1:
         raise ValueError(
-            f"dmuon torchtitan: only data, tensor and expert parallelism (FSDP / HSDP, TP over either, EP) are "
-            f"supported, got {unsupported}; dmuon's mesh must cover every rank."
+            f"dmuon torchtitan: only data, tensor, expert and pipeline parallelism are supported, got "
+            f"context_parallel_degree={parallel_dims.cp}; set it to 1."
         )
+    if parallel_dims.pp > 1:  # each stage's model part is dedicated over its "fsdp" mesh ([Note: pipeline stages])
+        others = {"tensor_parallel_degree": parallel_dims.tp, "expert_parallel_degree": parallel_dims.ep,
+                  "data_parallel_replicate_degree": parallel_dims.dp_replicate}
+        unsupported = {k: v for k, v in others.items() if v != 1}
+        if unsupported:
+            raise ValueError(
+                f"dmuon torchtitan: pipeline_parallel_degree={parallel_dims.pp} runs with FSDP inside each stage "
+                f"only so far, got {unsupported}; set those to 1."
+            )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
             f"dmuon torchtitan: parallelism.spmd_backend must be 'partial_dtensor', got "
@@ -362,7 +366,7 @@ def with_dmuon(
         if raf is None:
             parallelism = kwargs.get("parallelism")
             policy = parallelism.fsdp_reshard_after_forward if parallelism is not None else "default"
-            raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=False)
+            raf = get_fsdp_reshard_after_forward_policy(policy, pp_enabled=parallel_dims.pp_enabled)
         _check_parallel_dims(parallel_dims)
         check_moe_options(model, parallel_dims, predicate if predicate is not None else default_predicate)
         run = functools.partial(dedicate, model, parallel_dims, predicate, reshard_after_forward=raf,
@@ -387,8 +391,9 @@ def dmuon_model_spec(
     """A copy of torchtitan's ``ModelSpec`` whose ``parallelize_fn`` runs dmuon first (see :func:`with_dmuon`,
     whose options these are).
 
-    Pipelining is dropped from the copy (dmuon needs one mesh over every rank), so a Trainer with
-    ``pipeline_parallel_degree > 1`` refuses the spec instead of mis-training.
+    Pipelining is kept: under ``pipeline_parallel_degree > 1`` torchtitan's ``pipelining_fn`` calls the wrapped
+    ``parallelize_fn`` on each model part, so each part is dedicated over its stage's data-parallel ranks
+    (docs/guides/pipeline-parallelism.md).
 
     Example::
 
@@ -400,6 +405,5 @@ def dmuon_model_spec(
         spec,
         parallelize_fn=with_dmuon(spec.parallelize_fn, predicate, reshard_after_forward=reshard_after_forward,
                                   qkv_blocks=qkv_blocks),
-        pipelining_fn=None,
     )
 
