@@ -3,12 +3,15 @@ rank, the collectives the runtime issues (kind, group, payload bytes, launches),
 
 The runtime side: a 4-layer Llama-shaped model (``tests._training.CFG4``; its projections dedicated, the rest in
 one FSDP2 root unit: the planner's ``dmuon_wrap="root"``) on 8 and 16 gloo ranks, flat, HSDP (2 x 4, 4 x 4) and flat
-under dmuon's node layout (2 and 4 nodes of 4, [Note: node layout] in ``dmuon/runtime/hierarchy.py``),
+under dmuon's node layout (2 and 4 nodes of 4, [Note: node layout] in ``dmuon/runtime/hierarchy.py``; taken by
+``layout="auto"``),
 two steps; the second step is recorded (the first also publishes what the bind left stale). dmuon's
 ``CommCounter`` gives every collective dmuon issued by kind and mesh dimension; wrapping ``torch.distributed``
 (``dmuon.tools.side_by_side.CollectiveCounter``) counts every launch of the step independently, FSDP2's included.
 The planner side: :func:`dmuon.tools.schedules.dmuon_schedule` for the same shape, mesh and rank, given the
-matrices as the model names them (the owner plan breaks ties by name).
+matrices as the model names them (the owner plan breaks ties by name). And the owner table of ``python -m
+dmuon.plan`` (:func:`dmuon.tools.plan.make_plan`) takes the layout ``dedicate_params(layout="auto")`` took on the
+node runs, with the same owner for every (layer, shape).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import dmuon
 from dmuon.links import Links
 from dmuon.runtime.hooks import get_state
 from dmuon.tools.models import TinyLlama, projection_predicate
+from dmuon.tools.plan import make_plan
 from dmuon.tools.presets import LlamaShape
 from dmuon.tools.schedules import dmuon_schedule, simulate_design
 from dmuon.tools.side_by_side import CollectiveCounter
@@ -45,8 +49,10 @@ SHAPE = LlamaShape("cfg4", hidden=CFG4.dim, intermediate=CFG4.hidden_dim, layers
 
 def _one(rank: int, world: int, replicas: int | str) -> dict:
     torch.manual_seed(0)
-    layout = "node" if replicas == "node" else "flat"
-    if layout == "node":
+    # on the node meshes "auto": dedicate_params' own cost model takes the node layout there (the owner-table
+    # test checks that the planner predicts the same pick)
+    layout = "auto" if replicas == "node" else "flat"
+    if replicas == "node":
         os.environ["LOCAL_WORLD_SIZE"] = str(NODE)
     try:
         return _run(world, 1 if replicas == "node" else replicas, layout)  # type: ignore[arg-type]
@@ -80,7 +86,9 @@ def _run(world: int, replicas: int, layout: str) -> dict:
     counts = {(kind, dim): {"calls": d["calls"], "bytes": d["bytes"]}
               for kind, v in dmuon.diagnostics.comm_counts(model).items() for dim, d in v["by_dim"].items()}
     return {"slot": state.ctx.rank, "counts": counts, "launches": sum(v["calls"] for v in launches.as_dict().values()),
-            "matrices": tuple((dp.fqn, tuple(dp.shape), g.fqn) for g in state.groups for dp in g.params)}
+            "matrices": tuple((dp.fqn, tuple(dp.shape), g.fqn) for g in state.groups for dp in g.params),
+            "owners": sorted((dp.owner, g.fqn.rsplit(".", 1)[1], tuple(dp.shape)) for g in state.groups
+                             for dp in g.params), "layout": state.layout}
 
 
 def _job(rank: int, world: int) -> dict:
@@ -114,3 +122,17 @@ def test_runtime_issues_the_planners_schedule(runs, world, replicas):
         assert res["counts"] == planned, what
         # every launch of the step is dmuon's or FSDP2's, as planned
         assert res["launches"] == sum(v["calls"] for v in planned.values()) + fsdp2, (what, res["launches"])
+
+
+@pytest.mark.parametrize("world,replicas", [(w, r) for w, rs in MESHES.items() for r in rs])
+def test_the_owner_table_is_the_runtimes_plan(runs, world, replicas):
+    """``python -m dmuon.plan``'s owner table (without ``--simulate``) names the layout and the owners the
+    runtime built: the layout "auto" takes on the node runs (node) and the HSDP ones (flat), the flat one asked."""
+    res = runs[world][0][replicas]
+    info = make_plan(SHAPE, world, 1 if replicas == "node" else replicas, "fp32",  # type: ignore[arg-type]
+                     layout="flat" if replicas == 1 else "auto", gpus_per_node=NODE)
+    assert info["layout"] == res["layout"] == ("node" if replicas == "node" else "flat"), (world, replicas,
+                                                                                        info["layout_why"])
+    # the same slot for every (layer, shape): names differ (the preset's HF names), ties break alike by order
+    table = sorted((p["owner"], p["fqn"].split(".")[2], tuple(p["shape"])) for p in info["per_param"])
+    assert table == res["owners"], (world, replicas)
