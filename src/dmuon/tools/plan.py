@@ -298,6 +298,9 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
                      help=f"latency of one ring step inside a node, microseconds (default {links.nvlink_hop_us:g})")
     sim.add_argument("--network-hop-us", type=float, default=links.network_hop_us, metavar="US",
                      help=f"latency of one ring step between nodes, microseconds (default {links.network_hop_us:g})")
+    sim.add_argument("--ring-nics", type=int, default=links.ring_nics, metavar="K",
+                     help="NICs of a node one ring across nodes spreads its channels over, at most its ranks a node "
+                          f"(a what-if; NCCL: one channel a NIC; default {links.ring_nics}: every ring on one NIC)")
     sim.add_argument("--broadcast", choices=("ring", "tree"), default=links.broadcast,
                      help="how broadcasts and reduces travel: ring (NCCL's only algorithm for them) or tree (a "
                           f"what-if) (default {links.broadcast})")
@@ -358,7 +361,8 @@ def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, sha
     if unknown or not designs:
         raise ValueError(f"dmuon.plan: --designs takes names of {', '.join(known)}, got {args.designs!r}")
     links = Links(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
-                  nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast)
+                  nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast,
+                  ring_nics=args.ring_nics)
     preset = (PRESETS.get(shape) or MOE_PRESETS[shape]) if isinstance(shape, str) else shape
     sc = Scenario(preset, args.world_size, replicas=args.replicas, tp=args.tp, ep=args.ep, batch=args.batch,
                   seq=args.seq, dtype_bytes=_BYTES[args.dtype], reshard=args.reshard, ns_backend=args.ns_backend,
