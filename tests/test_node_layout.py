@@ -2,8 +2,8 @@
 with torchrun's ``LOCAL_WORLD_SIZE``), each boundary owned inside one node; against the single-process oracle,
 Z2 against Z3, against the flat layout, with accumulation, a checkpoint saved under it loaded under the flat
 layout, its launches per step at 4 and 8 ranks, a wrong variant that the bounds catch, and the refusals. Beside the
-FSDP2 runs: the tiny MoE (experts owned and on the engine's shards) against the per-expert oracle, DDP against the
-oracle, and pipeline stages refused."""
+FSDP2 runs: the tiny MoE (experts owned and on the engine's shards) against the per-expert oracle, DDP and
+DeepSpeed ZeRO-3 against the oracle, and pipeline stages refused."""
 
 from __future__ import annotations
 
@@ -137,6 +137,22 @@ def _train_ddp(rank: int, world: int) -> dict:
     return {"losses": losses, "weights": full_weights(model), "layout": get_state(model).layout}
 
 
+def _train_deepspeed(rank: int, world: int) -> dict:
+    """The node layout under DeepSpeed ZeRO-3 (the engine partitions the rest; dmuon's collectives are its own).
+    Last in the job: DeepSpeed's setup sets this process's LOCAL_RANK and accelerator."""
+    from tests import _deepspeed as ds
+
+    deepspeed = ds.setup(rank)
+    torch.manual_seed(0)
+    model = build_model()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, layout="node", verbose=False)
+    run = ds.Run(stage=3, accum=1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=dmuon.Muon(model, **muon_kwargs()),
+                                           config=ds.config(world, stage=run.stage, accum=run.accum))
+    return {**ds.result(model, ds.train(engine, model, rank, world, run, range(STEPS))),
+            "layout": get_state(model).layout}
+
+
 def _refusal_stages(rank: int) -> dict:
     """Pipeline stages (2 of 2 ranks, each "2 nodes of 1"): the node layout is refused, on every rank."""
     mesh = init_device_mesh(DEVICE_TYPE, (2, 2), mesh_dim_names=("pp", "dp"))
@@ -175,6 +191,8 @@ def four_job(rank: int, world: int) -> dict:
         out["wrong"] = _with_nodes(2, _train, rank, world, "node")
     finally:
         group_mod.reduce_boundary = real
+    if DEVICE_TYPE == "cpu":  # DeepSpeed's CPU accelerator (tests/_deepspeed.py)
+        out["deepspeed"] = _with_nodes(2, _train_deepspeed, rank, world)
     return out
 
 
@@ -256,6 +274,15 @@ def test_node_layout_under_ddp_matches_the_oracle(four):
     for rank, res in enumerate(four):
         assert res["ddp"]["layout"] == "node", rank
         assert_close_to(res["ddp"], oracle, f"rank {rank}: DDP node vs oracle")
+
+
+def test_node_layout_under_deepspeed_zero3_matches_the_oracle(four):
+    if "deepspeed" not in four[0]:
+        pytest.skip("DeepSpeed runs on its CPU accelerator here (tests/_deepspeed.py)")
+    oracle = train_oracle(STEPS)
+    for rank, res in enumerate(four):
+        assert res["deepspeed"]["layout"] == "node", rank
+        assert_close_to(res["deepspeed"], oracle, f"rank {rank}: DeepSpeed ZeRO-3 node vs oracle")
 
 
 def test_a_node_only_average_misses_the_oracle(four):
