@@ -11,7 +11,8 @@ two steps; the second step is recorded (the first also publishes what the bind l
 The planner side: :func:`dmuon.tools.schedules.dmuon_schedule` for the same shape, mesh and rank, given the
 matrices as the model names them (the owner plan breaks ties by name). And the owner table of ``python -m
 dmuon.plan`` (:func:`dmuon.tools.plan.make_plan`) takes the layout ``dedicate_params(layout="auto")`` took on the
-node runs, with the same owner for every (layer, shape).
+node runs, with the same owner for every (layer, shape). At 8 ranks also the tiny MoE under the node layout (its
+experts on the engine's shards), against the planner's MoE schedule.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from dmuon.links import Links
 from dmuon.runtime.hooks import get_state
 from dmuon.tools.models import TinyLlama, projection_predicate
 from dmuon.tools.plan import make_plan
-from dmuon.tools.presets import LlamaShape
+from dmuon.tools.moe import expert_predicate
+from dmuon.tools.presets import LlamaShape, MoEShape
 from dmuon.tools.schedules import dmuon_schedule, simulate_design
 from dmuon.tools.side_by_side import CollectiveCounter
 from dmuon.tools.step_model import Scenario, sizes_of
 from tests._dist import DEVICE_TYPE, device, run_distributed
+from tests._moe import build_moe, moe_cfg
 from tests._training import CFG4, KJ
 
 RUNS_ON_CUDA = True
@@ -91,8 +94,43 @@ def _run(world: int, replicas: int, layout: str) -> dict:
                              for dp in g.params), "layout": state.layout}
 
 
+#: the tiny MoE with one expert a rank at 8 ranks (its experts on the engine's shards), as the planner reads it
+MOE = moe_cfg(n_experts=8)
+MOE_SHAPE = MoEShape("tiny-moe", hidden=MOE.dim, intermediate=MOE.hidden_dim, layers=MOE.n_layers, heads=MOE.n_heads,
+                     kv_heads=MOE.n_kv_heads, head_dim=MOE.head_dim, vocab=MOE.vocab_size, experts=MOE.n_experts,
+                     expert_intermediate=MOE.expert_dim, top_k=MOE.top_k)
+
+
+def _moe_node(world: int) -> dict:
+    """The tiny MoE under ``layout="node"`` (2 nodes of 4), experts on FSDP2's shards: dmuon's counts of a step."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(NODE)
+    try:
+        model = build_moe(MOE).to(device())
+        dmuon.dedicate_params(model, init_device_mesh(DEVICE_TYPE, (world,)), expert_predicate, layout="node",
+                              route=lambda n, p: "muon_sharded" if p.ndim == 3 else None, verbose=False)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    fully_shard(model, mesh=init_device_mesh(DEVICE_TYPE, (world,)))
+    opt = dmuon.Muon(model, lr=0.01, ns_coefficients=KJ, ns_backend="direct")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tok = torch.randint(0, MOE.vocab_size, (2, 9), generator=gen).to(device())
+        dmuon.diagnostics.reset_comm_counts(model)
+        opt.zero_grad()
+        model(tok[:, :-1], tok[:, 1:]).loss.backward()
+        opt.step()
+    state = get_state(model)
+    return {"slot": state.ctx.rank, "layout": state.layout,
+            "counts": {(kind, dim): {"calls": d["calls"], "bytes": d["bytes"]}
+                       for kind, v in dmuon.diagnostics.comm_counts(model).items() for dim, d in v["by_dim"].items()},
+            "matrices": tuple((dp.fqn, tuple(dp.shape), g.fqn) for g in state.groups for dp in g.params)}
+
+
 def _job(rank: int, world: int) -> dict:
-    return {replicas: _one(rank, world, replicas) for replicas in MESHES[world]}
+    out: dict = {replicas: _one(rank, world, replicas) for replicas in MESHES[world]}
+    if world == 8:
+        out["moe"] = _moe_node(world)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +174,14 @@ def test_the_owner_table_is_the_runtimes_plan(runs, world, replicas):
     # the same slot for every (layer, shape): names differ (the preset's HF names), ties break alike by order
     table = sorted((p["owner"], p["fqn"].split(".")[2], tuple(p["shape"])) for p in info["per_param"])
     assert table == res["owners"], (world, replicas)
+
+
+def test_runtime_issues_the_planners_schedule_for_moe_under_the_node_layout(runs):
+    """The planner's MoE: the dense matrices owned node by node, the experts where the engine puts them (no dmuon
+    collective of theirs); its preload (one expert a rank) as the runtime's."""
+    for res in (r["moe"] for r in runs[8]):
+        assert res["layout"] == "node", res["slot"]
+        sc = Scenario(MOE_SHAPE, 8, dtype_bytes=4, links=Links(gpus_per_node=NODE))
+        sizes = dataclasses.replace(sizes_of(MOE_SHAPE, sc.seq), muon=tuple(sorted(
+            (f, (s[0], s[1]), b) for f, s, b in res["matrices"])))
+        assert res["counts"] == dmuon_schedule(sc, slot=res["slot"], sizes=sizes, layout="node"), res["slot"]
