@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import dmuon
 from dmuon.optim import AdamWHParams, MuonHParams
 from dmuon.runtime.blocks import Columns, Interleaved, RowBlocks
+from dmuon.runtime.hooks import get_state
 from dmuon.tools.moe import TinyMoE, TinyMoEConfig, apply_expert_parallel, expert_predicate, expert_row_blocks
 from tests._dist import DEVICE_TYPE, device, rank_threads
 from tests._training import ADAMW_HP, GLOBAL_BATCH, MUON_HP, batches, full_weights, muon_kwargs
@@ -164,6 +165,8 @@ class MoERun:
     #: ``master_dtype``); both reduce gradients in float32
     mixed: str | None = None
     hp: MuonHParams = MUON_HP
+    #: ``dedicate_params``' owner layout ([Note: node layout] in ``dmuon/runtime/hierarchy.py``)
+    layout: str = "auto"
 
 
 def hf_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -210,7 +213,7 @@ def dedicate_moe(model: TinyMoE, mesh, run: MoERun, ep_mesh=None) -> None:
         return run.expert_route
 
     blocks = None if run.ignore_blocks else _blocks_fn(run.cfg)
-    dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route, verbose=False,
+    dmuon.dedicate_params(model, mesh, predicate, blocks=blocks, route=route, verbose=False, layout=run.layout,
                           reshard_after_forward=run.reshard_after_forward,
                           param_dtype=torch.bfloat16 if run.mixed == "fp32_params" else None,
                           reduce_dtype=torch.float32 if run.mixed else None)
@@ -259,6 +262,7 @@ def train_moe(rank: int, world: int, run: MoERun) -> dict:
     # full_weights reads the params; under param_dtype a dedicated one is the bf16 compute copy of its fp32 value
     weights = full_weights(model) if run.mixed is None else dmuon.get_model_state_dict(model)
     return {"losses": losses, "weights": weights, "owned": sorted(dmuon.get_owned_params(model)),
+            "layout": get_state(model).layout,
             "initial": initial, "ns_calls": [tuple(g["shape"]) for g in dmuon.diagnostics.ns_backends(opt)],
             "expert_state": {k: {n: str(t.dtype) for n, t in v.items()}
                              for k, v in dmuon.get_optimizer_state_dict(model, opt)["state"].items() if "experts" in k},

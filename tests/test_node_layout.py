@@ -1,7 +1,9 @@
 """The node layout ([Note: node layout] in ``dmuon/runtime/hierarchy.py``): on a 1-D mesh over whole nodes (simulated
 with torchrun's ``LOCAL_WORLD_SIZE``), each boundary owned inside one node; against the single-process oracle,
 Z2 against Z3, against the flat layout, with accumulation, a checkpoint saved under it loaded under the flat
-layout, its launches per step at 4 and 8 ranks, a wrong variant that the bounds catch, and the refusals."""
+layout, its launches per step at 4 and 8 ranks, a wrong variant that the bounds catch, and the refusals. Beside the
+FSDP2 runs: the tiny MoE (experts owned and on the engine's shards) against the per-expert oracle, DDP and
+DeepSpeed ZeRO-3 against the oracle, and pipeline stages refused."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.runtime import comm as C
@@ -20,7 +23,10 @@ from dmuon.runtime import group as group_mod
 from dmuon.runtime.hooks import STATE_ATTR, get_state
 from tests._asserts import assert_bitwise, assert_close_to
 from tests._dist import DEVICE_TYPE, device, run_distributed
-from tests._training import GLOBAL_BATCH, KJ, batches, build_model, full_weights, projection_predicate, train_oracle
+from tests._moe import MoERun, train_moe, train_moe_oracle
+from tests._pipeline import LAYERS, Stage, make_model
+from tests._training import (GLOBAL_BATCH, KJ, batches, build_model, full_weights, muon_kwargs, projection_predicate,
+                             train_oracle)
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 STEPS, SAVE_AT = 4, 2
@@ -121,8 +127,51 @@ def _refusal(world: int, layout: str, **mesh) -> dict:
                 and not any(hasattr(p, "_dedicated_owner_rank") for p in model.parameters())}
 
 
+def _train_ddp(rank: int, world: int) -> dict:
+    """The node layout under DDP (dmuon's collectives are its own; DDP averages the rest)."""
+    model = build_model().to(device())
+    dmuon.dedicate_params(model, init_device_mesh(DEVICE_TYPE, (world,)), projection_predicate, layout="node")
+    ddp = DistributedDataParallel(model)
+    opt = dmuon.Muon(ddp, **muon_kwargs())
+    losses = [_step(ddp, opt, rank, world, step) for step in range(STEPS)]
+    return {"losses": losses, "weights": full_weights(model), "layout": get_state(model).layout}
+
+
+def _train_deepspeed(rank: int, world: int) -> dict:
+    """The node layout under DeepSpeed ZeRO-3 (the engine partitions the rest; dmuon's collectives are its own).
+    Last in the job: DeepSpeed's setup sets this process's LOCAL_RANK and accelerator."""
+    from tests import _deepspeed as ds
+
+    deepspeed = ds.setup(rank)
+    torch.manual_seed(0)
+    model = build_model()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), projection_predicate, layout="node", verbose=False)
+    run = ds.Run(stage=3, accum=1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=dmuon.Muon(model, **muon_kwargs()),
+                                           config=ds.config(world, stage=run.stage, accum=run.accum))
+    return {**ds.result(model, ds.train(engine, model, rank, world, run, range(STEPS))),
+            "layout": get_state(model).layout}
+
+
+def _refusal_stages(rank: int) -> dict:
+    """Pipeline stages (2 of 2 ranks, each "2 nodes of 1"): the node layout is refused, on every rank."""
+    mesh = init_device_mesh(DEVICE_TYPE, (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = Stage(make_model(), LAYERS[mesh["pp"].get_local_rank()], first=rank < 2, last=rank >= 2)
+    try:
+        dmuon.dedicate_params(stage, mesh["dp"], projection_predicate, layout="node", verbose=False)
+        return {"error": None, "untouched": False}
+    except ValueError as e:
+        return {"error": str(e), "untouched": not hasattr(stage, STATE_ATTR)
+                and not any(hasattr(p, "_dedicated_owner_rank") for p in stage.parameters())}
+
+
 def four_job(rank: int, world: int) -> dict:
     out = {
+        # MoE: the dense matrices and layer 0's experts (route "muon") owned node by node, layer 1's experts on
+        # the engine's shards ("muon_sharded")
+        "moe": _with_nodes(2, train_moe, rank, world, MoERun(steps=STEPS, expert_route="mixed", layout="node")),
+        "ddp": _with_nodes(2, _train_ddp, rank, world),
+        "refused_stages": _with_nodes(1, _refusal_stages, rank),
         "node_z3": _with_nodes(2, _train, rank, world, "node", checkpoint=True),
         "node_z2": _with_nodes(2, _train, rank, world, "node", z3=False),
         "node_accum": _with_nodes(2, _train, rank, world, "node", accum=2),
@@ -142,6 +191,8 @@ def four_job(rank: int, world: int) -> dict:
         out["wrong"] = _with_nodes(2, _train, rank, world, "node")
     finally:
         group_mod.reduce_boundary = real
+    if DEVICE_TYPE == "cpu":  # DeepSpeed's CPU accelerator (tests/_deepspeed.py)
+        out["deepspeed"] = _with_nodes(2, _train_deepspeed, rank, world)
     return out
 
 
@@ -202,6 +253,38 @@ def test_auto_takes_what_the_cost_model_predicts_cheaper(four):
         assert res["auto"]["owners"] == res["auto_one_node"]["owners"] == res["flat"]["owners"]
 
 
+def test_moe_under_the_node_layout_matches_the_per_expert_oracle(four):
+    """Experts owned (layer 0, route "muon") and on the engine's shards (layer 1) beside node-owned dense
+    matrices: the per-expert single-process oracle, every rank alike, every boundary's owners in one node."""
+    oracle = train_moe_oracle(STEPS)
+    for rank, res in enumerate(four):
+        assert res["moe"]["layout"] == "node", rank
+        assert_close_to(res["moe"], oracle, f"rank {rank}: MoE node vs oracle")
+        assert_bitwise(res["moe"], four[0]["moe"], f"rank {rank} vs rank 0: MoE")
+    nodes: dict[str, set[int]] = {}
+    for rank, res in enumerate(four):
+        for fqn in res["moe"]["owned"]:
+            nodes.setdefault(fqn.split(".")[1], set()).add(rank // 2)
+    assert sorted(nodes) == ["0", "1"] and all(len(n) == 1 for n in nodes.values()), nodes
+    assert any(".experts." in f for r in four for f in r["moe"]["owned"])  # layer 0's experts are owned
+
+
+def test_node_layout_under_ddp_matches_the_oracle(four):
+    oracle = train_oracle(STEPS)
+    for rank, res in enumerate(four):
+        assert res["ddp"]["layout"] == "node", rank
+        assert_close_to(res["ddp"], oracle, f"rank {rank}: DDP node vs oracle")
+
+
+def test_node_layout_under_deepspeed_zero3_matches_the_oracle(four):
+    if "deepspeed" not in four[0]:
+        pytest.skip("DeepSpeed runs on its CPU accelerator here (tests/_deepspeed.py)")
+    oracle = train_oracle(STEPS)
+    for rank, res in enumerate(four):
+        assert res["deepspeed"]["layout"] == "node", rank
+        assert_close_to(res["deepspeed"], oracle, f"rank {rank}: DeepSpeed ZeRO-3 node vs oracle")
+
+
 def test_a_node_only_average_misses_the_oracle(four):
     with pytest.raises(AssertionError):
         assert_close_to(four[0]["wrong"], train_oracle(STEPS), "node-only average")
@@ -211,7 +294,8 @@ def test_node_layout_refusals_name_the_reason_and_change_nothing(four):
     for rank, res in enumerate(four):
         for key, words in (("refused_one_node", "not two or more whole nodes"),
                            ("refused_unknown", "unknown"), ("refused_hsdp", "HSDP"),
-                           ("refused_mixed", "ranks computed different owner plans or settings")):
+                           ("refused_mixed", "ranks computed different owner plans or settings"),
+                           ("refused_stages", "pipeline stages (2) are not supported")):
             r = res[key]
             assert r["error"] is not None and words in r["error"] and r["untouched"], (rank, key, r)
 

@@ -134,13 +134,16 @@ def test_summary_counts_in_human_units(capsys):
 
 
 def test_a_512_rank_plan_fits_a_screen(capsys):
-    """One row per distinct line, with its ranks: llama3-8b at 512 ranks is 4 rows, not 512."""
-    assert plan_main(["--preset", "llama3-8b", "--world-size", "512"]) == 0
+    """One row per distinct line, with its ranks: llama3-8b at 512 ranks is 4 rows, not 512 (flat; 7 node by node)."""
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "512", "--layout", "flat"]) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) + len(err.splitlines()) <= 40, out + err
     rows = re.findall(r"^([\d,.-]+)\s+(\d+)\s+(\d+)\s+\S+\s+[\d.]+%", out, flags=re.MULTILINE)
     assert sum(int(n) for _, n, _ in rows) == 512 and len(rows) <= 8, out
     assert rows[0][0] == "0-95" and rows[-1][:2] == ("224-511", "288"), rows
+    assert plan_main(["--preset", "llama3-8b", "--world-size", "512"]) == 0  # "auto": the node layout
+    out, err = capsys.readouterr()
+    assert "layout 'node'" in out and len(out.splitlines()) + len(err.splitlines()) <= 40, out + err
     assert plan_main(["--preset", "llama3-8b", "--world-size", "512", "--per-rank"]) == 0
     assert len(re.findall(r"^\d+\s+1\s+\d", capsys.readouterr().out, flags=re.MULTILINE)) == 512
 

@@ -266,3 +266,25 @@ def test_dmuon_is_within_half_a_percent_of_the_best_peer_on_the_grid(shape, worl
     assert lay["layout"] == ("node" if replicas == 1 and world > 8 else "flat"), lay
     if "node_step_ms" in lay:  # the predicted step of the layout taken is the lower one, and is dmuon's
         assert step["dmuon"] == min(lay["flat_step_ms"], lay["node_step_ms"]) == lay[f"{lay['layout']}_step_ms"]
+
+
+def test_rings_over_a_nodes_nics_leave_the_verdict_standing():
+    """The what-if ``Links(ring_nics=8)``: a ring over whole nodes (FSDP2's all-gather, dmuon's flat broadcast)
+    spreads its channels over the node's 8 NICs, a rail (one rank a node) and an all-to-all keep one NIC's. The
+    verdict holds in every cell of the grid there too, for the planner's pick under those links and for the node
+    layout that ``dedicate_params`` takes (its cost model assumes one NIC a ring)."""
+    links, nics = Links(), Links(ring_nics=8)
+    assert broadcast_ms(8e9, Group(64), nics) == pytest.approx(broadcast_ms(8e9, Group(64), links) - 8e9 / 45e6
+                                                               + 8e9 / 360e6)
+    assert broadcast_ms(8e9, Group(8, stride=8), nics) == broadcast_ms(8e9, Group(8, stride=8), links)  # a rail
+    assert Group(4, stride=4).bandwidth(nics) == 2 * 45.0  # two ranks a node: two NICs at most
+    assert all_to_all_ms(8e9, Group(64), nics) == all_to_all_ms(8e9, Group(64), links)
+    with pytest.raises(ValueError, match="ring_nics must be a positive int, got 0"):
+        Links(ring_nics=0)
+    for shape, world, replicas, ep, batch in GRID:
+        sc = Scenario(shape, world, replicas=replicas, ep=ep, batch=batch, links=nics)
+        node = replicas == 1 and world > 8
+        res = simulate(sc, ("dmuon", "dion", "distmuon") + (("dmuon_node",) if node else ()))
+        step = {d: r["step_ms"] for d, r in res["designs"].items()}
+        best = min(step["dion"], step["distmuon"])
+        assert step["dmuon"] <= 1.005 * best and step.get("dmuon_node", 0.0) <= 1.005 * best, (world, step)

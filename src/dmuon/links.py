@@ -7,6 +7,10 @@ parallelism innermost, then the shard dimension, then HSDP's replicate dimension
 in one node runs at the NVLink bandwidth; a group that spans nodes runs at the per-GPU network bandwidth
 (every GPU has its own NIC and NCCL's rings use them all, so the slowest hop is one NIC).
 
+``ring_nics`` (default 1) is the what-if of a ring over several ranks of every node spreading its channels over
+that many of the node's NICs, as NCCL does: a flat ring (FSDP2's all-gather, dmuon's flat broadcast) then runs at
+``ring_nics x`` the per-GPU network bandwidth, a rail (one rank a node) and an all-to-all still at one NIC's.
+
 A collective costs ``bytes on the busiest link / bandwidth + calls x latency``:
 
 * all-gather / reduce-scatter (ring): each rank moves ``(g-1)/g`` of the whole buffer; a call's latency is a
@@ -49,6 +53,9 @@ class Links:
     call_us: float = 8.4
     #: ``"ring"`` (NCCL's algorithm for broadcast and reduce) or ``"tree"`` (a what-if)
     broadcast: str = "ring"
+    #: NICs of a node that one ring spanning nodes spreads its channels over (a what-if: NCCL puts each channel
+    #: on its own NIC); at most the ring's ranks in a node (a rail, one rank a node, has one). 1: one NIC
+    ring_nics: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -56,9 +63,9 @@ class Links:
             if f.name == "broadcast":
                 if v not in ("ring", "tree"):
                     raise ValueError(f"dmuon.plan: the broadcast algorithm must be 'ring' or 'tree', got {v!r}")
-            elif f.name == "gpus_per_node":
+            elif f.name in ("gpus_per_node", "ring_nics"):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"dmuon.plan: gpus_per_node must be a positive int, got {v!r}")
+                    raise ValueError(f"dmuon.plan: {f.name} must be a positive int, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
                     f.name.endswith("gbs") and v == 0):
                 raise ValueError(f"dmuon.plan: link setting {f.name} must be a finite number "
@@ -81,8 +88,12 @@ class Group:
         return (self.size - 1) * self.stride // links.gpus_per_node + 1
 
     def bandwidth(self, links: Links) -> float:
-        """GB/s of the group's slowest hop: NVLink inside one node, the NIC across nodes."""
-        return links.nvlink_gbs if self.nodes(links) == 1 else links.network_gbs
+        """GB/s of the group's slowest hop: NVLink inside one node, across nodes the NIC (``links.ring_nics`` of
+        them where the group has that many ranks in a node)."""
+        if self.nodes(links) == 1:
+            return links.nvlink_gbs
+        in_node = max(1, min(self.size, links.gpus_per_node // self.stride))
+        return links.network_gbs * min(links.ring_nics, in_node)
 
 
 def ring_latency_us(group: Group, links: Links, *, tree: bool = False) -> float:

@@ -29,8 +29,9 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from ..partition import _count, assign_owners
+from ..layout import choose_layout
 from ..links import Links
+from ..partition import OwnerPlan, _count, assign_node_owners, assign_owners
 from .ns_table import BACKENDS
 from .presets import MOE_PRESETS, PRESET_ALIASES, PRESETS, LlamaShape, canonical_preset, projection_specs
 
@@ -59,29 +60,36 @@ def shape_from_hf_config(path: str) -> LlamaShape:
         raise ValueError(f"dmuon.plan: {path} lacks {e.args[0]!r}; expected a Llama-style HF config.json") from None
 
 
-def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype: str = "bf16") -> dict[str, Any]:
-    """Everything the CLI prints, as one JSON-able dict.
+def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype: str = "bf16", *,
+              layout: str = "auto", gpus_per_node: int = 8, reshard: str = "z3") -> dict[str, Any]:
+    """Everything the CLI prints, as one JSON-able dict: the owners, memory and traffic of the layout
+    ``dedicate_params(..., layout=layout)`` takes on this mesh (``gpus_per_node`` ranks a node, ``reshard`` Z3 or
+    Z2 as ``reshard_after_forward``), with the reason in ``info["layout_why"]``.
 
     Example::
 
-        info = make_plan("llama3-8b", world_size=64)
-        print(info["imbalance"], info["per_rank"][0]["persistent_bytes"])
+        info = make_plan("llama3-8b", world_size=64)             # 8 nodes of 8: the node layout
+        print(info["layout"], info["imbalance"], info["per_rank"][0]["persistent_bytes"])
     """
     if dtype not in _BYTES:
         raise ValueError(f"dmuon.plan: dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
     if not isinstance(replicas, int) or replicas < 1 or world_size % replicas:
         raise ValueError(f"dmuon.plan: replicas must divide world_size ({world_size}), got {replicas!r}")
     specs = projection_specs(shape)
-    plan = assign_owners(specs, world_size)
     nbytes = _BYTES[dtype]
-    total = sum(s.numel for s in specs)
     per_layer: dict[str, int] = defaultdict(int)
     for s in specs:
         per_layer[s.layer] += s.numel
+    layout, why = _layout(list(per_layer.values()), world_size, replicas, nbytes, layout=layout,
+                          gpus_per_node=gpus_per_node, reshard=reshard)
+    n = gpus_per_node
+    plan = (assign_node_owners(specs, world_size // n, n) if layout == "node" else assign_owners(specs, world_size))
+    total = sum(s.numel for s in specs)
     largest_boundary = max(per_layer.values())
     shard = world_size // replicas
     # under HSDP the owner's whole shard column keeps a copy: sum the owned elements of each column
     column = [sum(plan.ranks[r * shard + s].numel for r in range(replicas)) for s in range(shard)]
+    network = _network_elements(specs, plan, shard, layout, gpus_per_node)
     per_rank = []
     for r in plan.ranks:
         held = column[r.rank % shard]
@@ -95,6 +103,8 @@ def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype
             # Z3: one boundary's full weights at a time; Z2: every non-held weight from forward to backward
             "peak_transient_bytes_z3": largest_boundary * nbytes,
             "peak_transient_bytes_z2": (total - held) * nbytes,
+            # what a pass of the shard row (forward gather, Z3's backward gather, reduce) charges this rank's NIC
+            "network_bytes_per_pass": network[r.rank] * nbytes,
         })
     moved = {
         "z3": {"forward_broadcast": total, "backward_broadcast": total, "reduce": total},
@@ -105,6 +115,9 @@ def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype
         "world_size": world_size,
         "replicas": replicas,
         "dtype": dtype,
+        "layout": layout,
+        "layout_why": why,
+        "gpus_per_node": gpus_per_node,
         "dedicated_params": len(specs),
         "dedicated_elements": total,
         "imbalance": plan.imbalance,
@@ -114,6 +127,48 @@ def make_plan(shape: str | LlamaShape, world_size: int, replicas: int = 1, dtype
         "per_param": [{"fqn": s.fqn, "shape": list(s.shape), "owner": plan.owners[s.fqn], "ns_cost": s.cost}
                       for s in specs],
     }
+
+
+def _layout(boundary_elements: list[int], world: int, replicas: int, nbytes: int, *, layout: str,
+            gpus_per_node: int, reshard: str) -> tuple[str, str]:
+    """The layout ``dedicate_params(layout=layout)`` takes on this mesh, and one line saying why: its own rule
+    (``dedicate._resolve_layout``) and cost model (:func:`dmuon.layout.choose_layout`, default links)."""
+    if layout not in ("auto", "flat", "node"):
+        raise ValueError(f"dmuon.plan: --layout must be auto, flat or node, got {layout!r}")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"dmuon.plan: --gpus-per-node must be a positive int, got {gpus_per_node!r}")
+    if reshard not in ("z3", "z2"):
+        raise ValueError(f"dmuon.plan: --reshard must be z3 or z2, got {reshard!r}")
+    if layout == "flat":
+        return "flat", "layout 'flat', as --layout flat asks: each phase one launch over every rank"
+    n = gpus_per_node
+    refused = ("HSDP keeps dmuon's gathers inside its shard groups already" if replicas > 1
+               else None if world % n == 0 and world // n >= 2
+               else f"{world} ranks are not two or more whole nodes of {n} (--gpus-per-node)")
+    if refused is not None:
+        if layout == "node":
+            raise ValueError(f"dmuon.plan: --layout node needs a 1-D mesh over two or more whole nodes, but {refused};"
+                             " pass --layout flat (or auto)")
+        return "flat", f"layout 'flat': the node layout is not taken ({refused})"
+    if layout == "node":
+        return "node", f"layout 'node', as --layout node asks: each boundary owned inside one node of {n}"
+    pick = choose_layout([e * nbytes for e in boundary_elements], world, n, z3=reshard == "z3")
+    return pick.layout, f"{pick.why()} (dedicate_params(layout='auto'), {world // n} nodes of {n})"
+
+
+def _network_elements(specs: list[Any], plan: OwnerPlan, shard: int, layout: str, n: int) -> list[int]:
+    """Elements a pass of the shard row charges each rank's NIC, as the link model does (:mod:`dmuon.links`; HSDP's
+    replicate stages aside): none inside one node; flat, every boundary whole (a ring over nodes carries it all
+    on every link); node, the buckets of the rank's local index (its rail's)."""
+    world = len(plan.ranks)
+    if shard <= n:
+        return [0] * world
+    if layout == "flat":
+        return [sum(s.numel for s in specs)] * world
+    bucket = [0] * n
+    for s in specs:
+        bucket[plan.owners[s.fqn] % n] += s.numel
+    return [bucket[r % n] for r in range(world)]
 
 
 def _gib(n: float) -> str:
@@ -138,7 +193,8 @@ def _table_rows(info: dict[str, Any], per_rank: bool) -> list[tuple[str, int, st
     groups: dict[int | str, tuple[list[int], str]] = {}
     for r in info["per_rank"]:
         cols = (f"{r['params']:>6} {_count(r['numel']):>9} {r['ns_cost_share']:>8.2%} {_gib(r['persistent_bytes']):>9} "
-                f"{_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9}")
+                f"{_gib(r['peak_transient_bytes_z3']):>9} {_gib(r['peak_transient_bytes_z2']):>9} "
+                f"{_gib(r['network_bytes_per_pass']):>9}")
         groups.setdefault(r["rank"] if per_rank else cols, ([], cols))[0].append(r["rank"])
     return [(_rank_ranges(ranks, 17), len(ranks), cols) for ranks, cols in groups.values()]
 
@@ -187,6 +243,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(_BYTES), default="bf16",
                         help="dtype of the dedicated weights and their momentum, for the memory columns "
                              "(default bf16)")
+    parser.add_argument("--layout", choices=("auto", "flat", "node"), default="auto",
+                        help="the owner layout of the table, as dedicate_params(layout=...) takes it: auto (default: "
+                             "the node layout on a 1-D mesh over 2+ whole nodes of --gpus-per-node where dmuon's cost "
+                             "model predicts it cheaper), flat or node; with --simulate, use --designs dmuon_flat,"
+                             "dmuon_node instead")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--per-param", action="store_true", help="also list every matrix with its owner rank")
     parser.add_argument("--per-rank", action="store_true",
@@ -222,11 +283,13 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
                           "(default 4)")
     sim.add_argument("--seq", type=int, default=2048, metavar="S", help="tokens per sequence (default 2048)")
     sim.add_argument("--reshard", choices=("z3", "z2"), default="z3",
-                     help="dmuon: free the broadcast weights after forward (z3) or keep them (z2) (default z3)")
+                     help="dmuon: free the broadcast weights after forward (z3) or keep them (z2) (default z3); the "
+                          "owner table's layout='auto' weighs it too")
     sim.add_argument("--ns-backend", choices=sorted(BACKENDS), default="auto",
                      help="dmuon's Newton-Schulz, as measured on an H200 on the day named (default auto: today's)")
     sim.add_argument("--gpus-per-node", type=int, default=links.gpus_per_node, metavar="N",
-                     help=f"GPUs sharing a node's NVLink (default {links.gpus_per_node})")
+                     help=f"GPUs sharing a node's NVLink (default {links.gpus_per_node}); the owner table's node "
+                          "layout too")
     sim.add_argument("--nvlink-gbs", type=float, default=links.nvlink_gbs, metavar="GBS",
                      help=f"GB/s per GPU and direction inside a node (default {links.nvlink_gbs:g})")
     sim.add_argument("--network-gbs", type=float, default=links.network_gbs, metavar="GBS",
@@ -235,6 +298,9 @@ def _simulate_options(parser: argparse.ArgumentParser) -> None:
                      help=f"latency of one ring step inside a node, microseconds (default {links.nvlink_hop_us:g})")
     sim.add_argument("--network-hop-us", type=float, default=links.network_hop_us, metavar="US",
                      help=f"latency of one ring step between nodes, microseconds (default {links.network_hop_us:g})")
+    sim.add_argument("--ring-nics", type=int, default=links.ring_nics, metavar="K",
+                     help="NICs of a node one ring across nodes spreads its channels over, at most its ranks a node "
+                          f"(a what-if; NCCL: one channel a NIC; default {links.ring_nics}: every ring on one NIC)")
     sim.add_argument("--broadcast", choices=("ring", "tree"), default=links.broadcast,
                      help="how broadcasts and reduces travel: ring (NCCL's only algorithm for them) or tree (a "
                           f"what-if) (default {links.broadcast})")
@@ -271,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(shape, str) and shape in MOE_PRESETS:
             raise ValueError(f"dmuon.plan: {shape} is an MoE shape; its owner table is not built here, "
                              "predict its step with --simulate")
-        info = make_plan(shape, args.world_size, args.replicas, args.dtype)
+        info = make_plan(shape, args.world_size, args.replicas, args.dtype, layout=args.layout,
+                         gpus_per_node=args.gpus_per_node, reshard=args.reshard)
     except ValueError as e:
         parser.error(str(e))
     return _print_plan(args, info)
@@ -285,13 +352,17 @@ def _simulate_cli(args: argparse.Namespace, parser: argparse.ArgumentParser, sha
 
     if args.per_param or args.per_rank:
         raise ValueError("dmuon.plan: --per-param and --per-rank are options of the owner table, not of --simulate")
+    if args.layout != "auto":
+        raise ValueError(f"dmuon.plan: --layout {args.layout} is an option of the owner table; with --simulate pass "
+                         f"--designs dmuon_{args.layout} (dmuon is the layout 'auto' takes)")
     designs = tuple(d.strip() for d in args.designs.split(",") if d.strip())
     known = (*MUON_DESIGNS, "dmuon_flat", "dmuon_node")
     unknown = [d for d in designs if d not in known]
     if unknown or not designs:
         raise ValueError(f"dmuon.plan: --designs takes names of {', '.join(known)}, got {args.designs!r}")
     links = Links(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
-                  nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast)
+                  nvlink_hop_us=args.nvlink_hop_us, network_hop_us=args.network_hop_us, broadcast=args.broadcast,
+                  ring_nics=args.ring_nics)
     preset = (PRESETS.get(shape) or MOE_PRESETS[shape]) if isinstance(shape, str) else shape
     sc = Scenario(preset, args.world_size, replicas=args.replicas, tp=args.tp, ep=args.ep, batch=args.batch,
                   seq=args.seq, dtype_bytes=_BYTES[args.dtype], reshard=args.reshard, ns_backend=args.ns_backend,
@@ -347,8 +418,9 @@ def _print_plan(args: argparse.Namespace, info: dict[str, Any]) -> int:
           f"elements ({_gib(info['dedicated_elements'] * _BYTES[args.dtype]).strip()} GiB in {args.dtype}), "
           f"{args.world_size} ranks{hsdp}")
     print(info["summary"])
+    print(f"dmuon: {info['layout_why']}")
     print(f"\n{'ranks':<17} {'count':>5} {'params':>6} {'elements':>9} {'NS share':>8} {'owned GiB':>9} "
-          f"{'Z3 peak+':>9} {'Z2 peak+':>9}")
+          f"{'Z3 peak+':>9} {'Z2 peak+':>9} {'net/pass':>9}")
     for ranks, n, cols in _table_rows(info, args.per_rank):
         print(f"{ranks:<17} {n:>5} {cols}")
     m = info["elements_moved_per_rank_per_step"]
@@ -358,7 +430,7 @@ def _print_plan(args: argparse.Namespace, info: dict[str, Any]) -> int:
           f"Z2 {_count(z2)} ({_gib(z2 * nbytes).strip()} GiB)\n  forward broadcast P, backward re-broadcast P "
           f"(Z3 only), reduce P; P = {_count(info['dedicated_elements'])}")
     print("columns are per rank of the row; owned GiB: weights + Muon momentum (+ HSDP column copies);\n"
-          "peak+: transient full copies on top")
+          "peak+: transient full copies on top; net/pass: GiB a pass charges the rank's NIC (the link model's)")
     if args.per_param:
         print(f"\n{'owner':>5} {'shape':>14} {'NS flops/iter':>14}  matrix")
         for p in sorted(info["per_param"], key=lambda p: (p["owner"], p["fqn"])):

@@ -128,7 +128,8 @@ def format_simulation(res: dict[str, Any], breakeven: dict[str, int | None] | No
              f"dmuon {res['reshard'].upper()}",
              f"links: NVLink {links['nvlink_gbs']:g} GB/s, network {links['network_gbs']:g} GB/s per GPU, "
              f"{links['gpus_per_node']} GPUs a node, hop latency {links['nvlink_hop_us']:g} / "
-             f"{links['network_hop_us']:g} us, broadcast {links['broadcast']}; "
+             f"{links['network_hop_us']:g} us, broadcast {links['broadcast']}"
+             + (f", rings across nodes on {links['ring_nics']} NICs" if links.get("ring_nics", 1) > 1 else "") + "; "
              f"{OVERLAP:.0%} of hideable comm under compute",
              "",
              f"{'design':<11} {'step ms':>9} {'vs FSDP2':>9} {'fwd+bwd':>9} {'optimizer':>9} {'NS ms':>8} "
