@@ -327,12 +327,30 @@ def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
     return None
 
 
+def _self_view(p: torch.Tensor) -> torch.Tensor:
+    """``p.view_as(p)``, which reads no values: torch's pipelining takes one of every parameter to reach its
+    gradient accumulator (``_get_grad_fn_or_grad_acc`` before a zero-bubble schedule's input and weight
+    passes), wherever the boundary's window stands. See [Note: zero-bubble passes]. On a rank that does not
+    hold ``p`` the view keeps ``p``'s class and labels, so reading it later raises as reading ``p`` would."""
+    with torch._C.DisableTorchFunctionSubclass():
+        view = torch.Tensor.view_as(p, p)
+    if isinstance(p, UnheldParameter):
+        view.__class__ = UnheldParameter
+        for attr in (INFO_ATTR, ACCESS_ATTR):
+            if hasattr(p, attr):
+                setattr(view, attr, getattr(p, attr))
+    return view
+
+
 def _guard(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """``__torch_function__`` of the four classes: metadata through; a value read raises or is admitted."""
     kwargs = kwargs or {}
     if func in _METADATA or _is_internal():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    if func is torch.Tensor.view_as and len(args) == 2 and args[0] is args[1] and not kwargs \
+            and isinstance(args[0], (UnheldParameter, GuardedParameter)):
+        return _self_view(args[0])
     as_repr = func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",))
     described = _check(func, _dedicated_in((*args, *kwargs.values()), []), as_repr)
     if described is not None:

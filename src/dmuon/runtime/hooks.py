@@ -355,6 +355,7 @@ class DMuonState:
         once, as FSDP2 does for its own params. Usage is the same on every rank, so every rank finds the
         same matrices here and issues the same reduces."""
         for dp in g.params:
+            dp.adopt_assigned(g.main_grad_dtype(dp))  # a zero-bubble weight pass's gradient: no hook saw it
             if dp.grad_state is GradState.UNSYNCED:
                 dp.hand_over(g.main_grad_dtype(dp))
 
