@@ -36,8 +36,10 @@ LAYERS = {0: (0,), 1: (1,)}
 CFG_V = replace(CFG, n_layers=4)
 #: virtual stages per rank under those schedules
 VIRTUAL = 2
-#: the schedules with several stages per rank
-MULTI = ("interleaved", "looped_bfs")
+#: the schedules with several stages per rank (the zero-bubble ones split each backward in an input and a weight pass)
+MULTI = ("interleaved", "looped_bfs", "zb", "zbv", "dualpipev")
+#: the schedules whose stages go down the ranks and back ("v": rank r holds stages r and 2 pp - 1 - r)
+V_SHAPED = ("zbv", "dualpipev")
 #: QK-clip's threshold and query share, and the factor query head 0 of every layer is scaled up by at init (its
 #: logits far above tau, the other heads below), as tests/test_qk_clip.py sets them
 TAU, ALPHA, BOOST = 8.0, 0.5, 12.0
@@ -122,11 +124,11 @@ def hand_clip_(model: TinyLlama, cfg: TinyLlamaConfig) -> None:
 
 
 def _schedule(name: str) -> type:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed import pipelining as P
 
-    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
-            "looped_bfs": ScheduleLoopedBFS}[name]
+    return {"1f1b": P.Schedule1F1B, "gpipe": P.ScheduleGPipe, "interleaved": P.ScheduleInterleaved1F1B,
+            "looped_bfs": P.ScheduleLoopedBFS, "zb": P.ScheduleInterleavedZeroBubble, "zbv": P.ScheduleZBVZeroBubble,
+            "dualpipev": getattr(P, "ScheduleDualPipeV", None)}[name]
 
 
 def build_stage(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False) -> tuple[Stage, dmuon.Muon]:
@@ -142,14 +144,14 @@ def build_stage(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = Fal
     return stage, _optimizer(stage, qk_clip)
 
 
-def build_parts(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False
+def build_parts(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False, v_shaped: bool = False
                 ) -> list[tuple[int, Stage, dmuon.Muon]]:
     """This rank's :data:`VIRTUAL` stages of :data:`CFG_V` (stage ``pp_rank + k * pp``), each dedicated over
     ``mesh["dp"]`` on its own, sharded with FSDP2, with its own ``dmuon.Muon``: ``(stage index, module, optimizer)``."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     n = pp * VIRTUAL
     out = []
-    for index in range(pp_rank, n, pp):
+    for index in ((pp_rank, n - 1 - pp_rank) if v_shaped else range(pp_rank, n, pp)):
         part = Stage(make_model(CFG_V, qk_clip=qk_clip), (index,), first=index == 0, last=index == n - 1)
         dmuon.dedicate_params(part, mesh["dp"], projection_predicate, reshard_after_forward=reshard_after_forward,
                               verbose=False)
@@ -169,7 +171,8 @@ def run_scenario(mesh, sc: Scenario) -> dict:
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if sc.schedule in MULTI:
-        parts = build_parts(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip)
+        parts = build_parts(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip,
+                            v_shaped=sc.schedule in V_SHAPED)
     else:
         parts = [(pp_rank, *build_stage(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip))]
     n_stages = pp * len(parts)
@@ -200,7 +203,11 @@ def run_scenario(mesh, sc: Scenario) -> dict:
         chunk = per // sc.accum
         for a in range(sc.accum):
             part = slice(a * chunk, (a + 1) * chunk)
-            if first:
+            if first and last:  # a V-shaped schedule: the first and the last stage on pp rank 0
+                out = []
+                schedule.step(tok[part], target=tgt[part], losses=out)
+                mb.extend(out)
+            elif first:
                 schedule.step(tok[part])
             else:
                 out: list[torch.Tensor] = []  # the schedule refills the list it is given
@@ -260,14 +267,17 @@ def logits_of(weights: dict[str, torch.Tensor], cfg: TinyLlamaConfig = CFG) -> t
 
 @rank_threads()
 def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = False,
-           cfg: TinyLlamaConfig = CFG, qk_clip: bool = False) -> dict:
+           cfg: TinyLlamaConfig = CFG, qk_clip: bool = False, drop_weight_pass: bool = False) -> dict:
     """The whole model on one process: ``torch.optim.Muon`` for the projections, ``torch.optim.AdamW`` for the
     rest, over the global batch. ``max_norm``: clipped by torch's ``clip_grad_norm_`` over every parameter, or
     with ``per_stage_clip`` each half of the model by its own norm (the wrong variant: each of two stages
     clipping alone, or under :data:`CFG_V` each rank clipping each of its stage modules alone, so stages 0-1 and
     2-3 apart); ``"clipped"``: the total norm of
     the gradients after clipping, each step. ``cfg``: :data:`CFG_V` for the schedules with several stages per
-    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`)."""
+    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`).
+    ``drop_weight_pass``: the wrong variant of the zero-bubble schedules, a runtime that never sees the gradients
+    their weight pass assigns: the projections of every layer but the first (the first stage's weight pass is a
+    full backward, whose hooks run) keep no gradient and do not move."""
     torch.manual_seed(0)
     model = make_model(cfg, qk_clip=qk_clip)
     named = list(model.named_parameters())
@@ -284,6 +294,10 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
         opt_a.zero_grad()
         loss = model(tok, tgt).loss
         loss.backward()
+        if drop_weight_pass:
+            for n, p in named:
+                if projection_predicate(n, p) and not n.startswith("layers.0."):
+                    p.grad = None
         if max_norm is not None and not per_stage_clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         elif max_norm is not None:

@@ -44,6 +44,25 @@ raises :class:`OutsideBoundaryError` with the same message on every rank: holder
 there and non-holders' unheld ones raise the pass error instead of :class:`NotHeldError`. Outside a pass
 holders read freely (the optimizer step, ``dmuon.get_owned_params`` between steps, checkpoints).
 
+[Note: zero-bubble passes]
+torch's zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``) split each microbatch's backward into an *input* pass (``torch.autograd.grad`` to the
+stage's inputs) and a later *weight* pass (``torch.autograd.grad`` from the saved intermediates to the
+weights' accumulators, the result written to ``param.grad`` by assignment). Three things follow for dmuon:
+
+* before either pass torch takes ``p.view_as(p)`` of every parameter, wherever the window stands, only to
+  reach its gradient accumulator: that self-view reads nothing and passes the guard (on a non-holder the
+  view carries the unheld class, so reading it later raises);
+* the input pass runs the pre-backward hooks (a Z3 boundary broadcasts again) and ends as any backward
+  inside ``no_sync`` does: the copies stay for the weight pass, as FSDP2's do
+  (``set_reshard_after_backward(False)``). Under Z3 a later microbatch's forward frees them again, as FSDP2
+  frees its own: a weight pass then reads only activations and output gradients (a linear layer's weight
+  gradient needs no weight), so no broadcast is added per microbatch; a module whose weight gradient reads
+  the weight itself needs Z2;
+* the weight pass runs no hook at all (its gradients are assigned, not accumulated): the closing reduce
+  (``optimizer.step()`` / ``clip_grad_norm_``) takes an assigned ``param.grad`` in as this rank's
+  ``no_sync`` gradient (``DedicatedParam.adopt_assigned``), so each is averaged once per step.
+
 [Note: module guards]
 Three module calls would otherwise go wrong on some ranks only, so they are refused on every rank alike
 (the decision depends only on the model's structure, which every rank shares):
