@@ -375,3 +375,57 @@ class Trainer:
 
         walk("optim", optim)
         return out
+
+
+class PartsTrainer:
+    """This rank's :data:`VIRTUAL` stage modules of :data:`CFG_V` (:func:`build_parts`) on a ``(pp, dp)`` mesh, trained
+    one interleaved 1F1B step (two microbatches) at a time, and checkpointed as the pipeline guide shows: one DCP
+    dict holding each module's ``dmuon.get_state_dict`` under its stage index (``"stage2"``: the same key in any
+    layout with the same split into stages)."""
+
+    def __init__(self, mesh):
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        torch.manual_seed(0)
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        n = mesh["pp"].size() * VIRTUAL
+        self.parts = build_parts(mesh)
+        pipes = [PipelineStage(m, i, n, torch.device("cpu"), group=mesh["pp"].get_group()) for i, m, _ in self.parts]
+        self.first = any(p.is_first for p in pipes)
+        self.schedule = ScheduleInterleaved1F1B(pipes, n_microbatches=2, loss_fn=lm_loss)
+
+    def step(self, tok: torch.Tensor, tgt: torch.Tensor) -> float | None:
+        """One optimizer step of every module; the mean loss of this rank's microbatches where it holds the last
+        stage, else ``None``."""
+        per = GLOBAL_BATCH // self.dp
+        part = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        for _, _, opt in self.parts:
+            opt.zero_grad()
+        out: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(tok[part])
+        else:
+            self.schedule.step(target=tgt[part], losses=out)
+        for _, _, opt in self.parts:
+            opt.step()
+        return sum(x.item() for x in out) / len(out) if out else None
+
+    def state(self, *, staged: bool = False) -> dict:
+        return {f"stage{i}": dmuon.get_state_dict(m, o, sharded=True, staged=staged) for i, m, o in self.parts}
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state(), checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        """Read the checkpoint into staged copies (one ``dcp.load``), then hand each module its own."""
+        import torch.distributed.checkpoint as dcp
+
+        sd = self.state(staged=True)
+        dcp.load(sd, checkpoint_id=path)
+        for i, m, o in self.parts:
+            dmuon.set_state_dict(m, o, sd[f"stage{i}"])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v for _, m, _ in self.parts for k, v in full_weights(m).items()}
