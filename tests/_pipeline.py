@@ -379,9 +379,9 @@ class Trainer:
 
 class PartsTrainer:
     """This rank's :data:`VIRTUAL` stage modules of :data:`CFG_V` (:func:`build_parts`) on a ``(pp, dp)`` mesh, trained
-    one interleaved 1F1B step (two microbatches) at a time, and checkpointed as the pipeline guide shows: one DCP
-    dict holding each module's ``dmuon.get_state_dict`` under its stage index (``"stage2"``: the same key in any
-    layout with the same split into stages)."""
+    one interleaved 1F1B step (two microbatches) at a time, and checkpointed as the pipeline guide shows: one
+    ``dmuon.get_state_dict`` over the rank's lists of modules and optimizers (the k-th module's dict under
+    ``"part{k}"``), one ``dcp.save`` / ``dcp.load``."""
 
     def __init__(self, mesh):
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
@@ -389,8 +389,9 @@ class PartsTrainer:
         torch.manual_seed(0)
         self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         n = mesh["pp"].size() * VIRTUAL
-        self.parts = build_parts(mesh)
-        pipes = [PipelineStage(m, i, n, torch.device("cpu"), group=mesh["pp"].get_group()) for i, m, _ in self.parts]
+        parts = build_parts(mesh)
+        self.models, self.opts = [m for _, m, _ in parts], [o for _, _, o in parts]
+        pipes = [PipelineStage(m, i, n, torch.device("cpu"), group=mesh["pp"].get_group()) for i, m, _ in parts]
         self.first = any(p.is_first for p in pipes)
         self.schedule = ScheduleInterleaved1F1B(pipes, n_microbatches=2, loss_fn=lm_loss)
 
@@ -399,33 +400,47 @@ class PartsTrainer:
         stage, else ``None``."""
         per = GLOBAL_BATCH // self.dp
         part = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
-        for _, _, opt in self.parts:
+        for opt in self.opts:
             opt.zero_grad()
         out: list[torch.Tensor] = []
         if self.first:
             self.schedule.step(tok[part])
         else:
             self.schedule.step(target=tgt[part], losses=out)
-        for _, _, opt in self.parts:
+        for opt in self.opts:
             opt.step()
         return sum(x.item() for x in out) / len(out) if out else None
-
-    def state(self, *, staged: bool = False) -> dict:
-        return {f"stage{i}": dmuon.get_state_dict(m, o, sharded=True, staged=staged) for i, m, o in self.parts}
 
     def save(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.state(), checkpoint_id=path)
+        dcp.save(dmuon.get_state_dict(self.models, self.opts, sharded=True), checkpoint_id=path)
 
-    def load(self, path: str) -> None:
-        """Read the checkpoint into staged copies (one ``dcp.load``), then hand each module its own."""
+    def staged(self, path: str) -> dict:
+        """The checkpoint read into staged copies, one ``dcp.load`` (nothing live changed yet)."""
         import torch.distributed.checkpoint as dcp
 
-        sd = self.state(staged=True)
+        sd = dmuon.get_state_dict(self.models, self.opts, sharded=True, staged=True)
         dcp.load(sd, checkpoint_id=path)
-        for i, m, o in self.parts:
-            dmuon.set_state_dict(m, o, sd[f"stage{i}"])
+        return sd
+
+    def load(self, path: str) -> None:
+        dmuon.set_state_dict(self.models, self.opts, self.staged(path))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v for _, m, _ in self.parts for k, v in full_weights(m).items()}
+        return {k: v for m in self.models for k, v in full_weights(m).items()}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Every module's weights and this rank's optimizer state (staged copies' local tensors), by key."""
+        out = {f"model.{k}": v for k, v in self.weights().items()}
+        for k, (m, o) in enumerate(zip(self.models, self.opts)):
+            _walk(f"optim{k}", dmuon.get_optimizer_state_dict(m, o, sharded=True, staged=True), out)
+        return out
+
+
+def _walk(prefix: str, x, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _walk(f"{prefix}.{k}", v, out)
+    elif isinstance(x, torch.Tensor):
+        out[prefix] = (x.to_local() if hasattr(x, "to_local") else x).clone()

@@ -65,13 +65,14 @@ def save_job(rank: int, world: int, pp: int, path: str) -> dict:
     out = {"saved": saved, "twin": {"losses": twin_losses, "weights": twin}, "refusal": refusal, "full": full,
            "corrupted": corrupted, "unchanged": unchanged, "restored": restored,
            "resumed": {"losses": losses, "weights": full_weights(t.model)}}
-    out.update(_parts_save(world, pp, path + "_parts"))
+    out.update(_parts_save(rank, world, pp, path + "_parts"))
     dist.barrier()
     return out
 
 
-def _parts_save(world: int, pp: int, path: str) -> dict:
-    """Two stage modules per rank (interleaved 1F1B): save after SAVE_AT steps, train on (the twin), restore the
+def _parts_save(rank: int, world: int, pp: int, path: str) -> dict:
+    """Two stage modules per rank (interleaved 1F1B): save after SAVE_AT steps, train on (the twin), be refused
+    a copy with one word of one rank's second module changed (nothing changed in either module), restore the
     checkpoint in place and train again."""
     v = PartsTrainer(_mesh(world, pp))
     data = batches(STEPS)
@@ -80,11 +81,22 @@ def _parts_save(world: int, pp: int, path: str) -> dict:
     v.save(path)
     saved = v.weights()
     twin = {"losses": [v.step(*data[s]) for s in range(SAVE_AT, STEPS)], "weights": v.weights()}
+    before = v.snapshot()
+    sd = v.staged(path)
+    corrupted = _corrupt(sd["part1"]) if rank == world - 1 else None  # the second module only, on one rank
+    try:
+        dmuon.set_state_dict(v.models, v.opts, sd)
+        refusal = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+        refusal = (type(e).__name__, str(e))
+    after = v.snapshot()
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     v.load(path)
     restored = v.weights()
     losses = [v.step(*data[s]) for s in range(SAVE_AT, STEPS)]
     return {"parts_saved": saved, "parts_twin": twin, "parts_restored": restored,
-            "parts_resumed": {"losses": losses, "weights": v.weights()}}
+            "parts_resumed": {"losses": losses, "weights": v.weights()},
+            "parts_refusal": refusal, "parts_corrupted": corrupted, "parts_unchanged": unchanged}
 
 
 def resume_job(rank: int, world: int, pp: int, path: str) -> dict:
@@ -208,3 +220,13 @@ def test_parts_resume_on_another_dp_degree(pp2dp2, pp2dp1):
     _bitwise(_merged(pp2dp1, "parts_restored"), _merged(pp2dp2, "parts_saved"), "restored")
     assert_close_to(_merged(pp2dp1, "parts_resumed"), _merged(pp2dp2, "parts_twin"), "pp 2 x dp 1 resumed",
                     loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
+
+
+def test_parts_corrupt_module_refused_with_every_module_unchanged(pp2dp2):
+    """One changed word in the second module's dict on one rank: every rank refuses, and neither module nor
+    optimizer changed, the first module's (whose dict is sound) included: all are checked before any is written."""
+    assert pp2dp2[-1]["parts_corrupted"] is not None
+    for rank, r in enumerate(pp2dp2):
+        kind, message = r["parts_refusal"]
+        assert kind == "ValueError" and "checksum" in message, f"rank {rank}: {kind}: {message}"
+        assert r["parts_unchanged"], f"rank {rank}: a module or optimizer changed although the load was refused"
