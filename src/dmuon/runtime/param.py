@@ -249,9 +249,12 @@ class DedicatedParam:
         reduce dtype, ``UNSYNCED``, it is this rank's local gradient: taken in as if accumulated inside
         ``no_sync`` (-> UNSYNCED), so the closing reduce averages it once."""
         p = self.param
-        if p is None or p.grad is None:
+        if p is None or not (self.grad_state is GradState.EMPTY
+                             or (self.grad_state is GradState.UNSYNCED and wide is not None)):
             return
-        if self.grad_state is GradState.EMPTY or (self.grad_state is GradState.UNSYNCED and wide is not None):
+        with torch._C.DisableTorchFunctionSubclass():  # a metadata read: no guard on the step's path
+            assigned = p.grad is not None
+        if assigned:
             self.accumulate_unsynced(wide)
 
     def hand_over(self, wide: torch.dtype | None) -> None:
