@@ -78,7 +78,27 @@ def misuse_cases(mesh) -> dict:
     attempt("after_fully_shard", lambda s: dmuon.dedicate_params(s, mesh["dp"], projection_predicate),
             shard_first=pp_rank == pp - 1)
     out["qk_silent_stage"] = _qk_step_with_one_silent_stage(mesh)
+    out["self_view"] = _self_view_read_outside_window(mesh)
     return {"misuse": out}
+
+
+def _self_view_read_outside_window(mesh) -> tuple[str, str, bool]:
+    """``p.view_as(p)`` (torch's zero-bubble passes take one of every param) passes after a Z3 forward, outside
+    the window, on owner and non-owner alike; reading the view raises on every rank, as reading ``p`` does."""
+    pp_rank = mesh["pp"].get_local_rank()
+    model, _ = build_stage(mesh)
+    tok = batches(1)[0][0][:1]
+    model(tok if pp_rank == 0 else torch.zeros(1, tok.shape[1], CFG.dim))  # the pass stays open for the backward
+    p = dict(model.named_parameters())[sorted(dmuon.get_dedicated_params(model))[0]]
+    try:
+        view = p.view_as(p)
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test: the view itself must pass
+        return f"view_as raised {type(e).__name__}", str(e), False
+    try:
+        view.sum()
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+        return type(e).__name__, str(e), True
+    return "no error", "", False
 
 
 def _qk_step_with_one_silent_stage(mesh) -> tuple[str, str, bool]:
@@ -208,11 +228,12 @@ def test_accumulation_over_schedule_steps(request, pp2dp2, name):
     ("world_mesh", "hold different params"),
     ("after_fully_shard", "before fully_shard"),
     ("qk_silent_stage", "no attention module reported"),
+    ("self_view", "outside the window of its hook boundary"),
 ])
 def test_misuse_refused_on_every_rank(pp2dp2, case, needle):
     for rank, r in enumerate(pp2dp2):
         kind, message, unchanged = r["misuse"][case]
-        want = "RuntimeError" if case == "qk_silent_stage" else "ValueError"
+        want = {"qk_silent_stage": "RuntimeError", "self_view": "OutsideBoundaryError"}.get(case, "ValueError")
         assert kind == want, f"rank {rank} {case}: {kind}: {message}"
         assert needle in message, f"rank {rank} {case}: {message!r} does not mention {needle!r}"
         assert unchanged, f"rank {rank} {case}: the model changed although the call failed"

@@ -51,8 +51,8 @@ stage's inputs) and a later *weight* pass (``torch.autograd.grad`` from the save
 weights' accumulators, the result written to ``param.grad`` by assignment). Three things follow for dmuon:
 
 * before either pass torch takes ``p.view_as(p)`` of every parameter, wherever the window stands, only to
-  reach its gradient accumulator: that self-view reads nothing and passes the guard (on a non-holder the
-  view carries the unheld class, so reading it later raises);
+  reach its gradient accumulator: that self-view reads nothing and passes the guard (the view carries the
+  parameter's class, so reading it later raises, or is admitted, on every rank as reading the parameter);
 * the input pass runs the pre-backward hooks (a Z3 boundary broadcasts again) and ends as any backward
   inside ``no_sync`` does: the copies stay for the weight pass, as FSDP2's do
   (``set_reshard_after_backward(False)``). Under Z3 a later microbatch's forward frees them again, as FSDP2
@@ -101,6 +101,9 @@ INFO_ATTR = "_dmuon_info"
 #: Attribute with the :class:`BoundaryAccess` of every bound dedicated parameter: what its boundary group
 #: answers when a guarded or unheld class meets a value read.
 ACCESS_ATTR = "_dmuon_access"
+
+#: Marks a self-view (:func:`_self_view`) that carries its parameter's guard class.
+_SELF_VIEW_ATTR = "_dmuon_self_view"
 
 _FIX = ("read it on its owner (dmuon.get_owned_params(model)), gather full values with "
         "dmuon.get_model_state_dict(model), clip with dmuon.clip_grad_norm_(model, max_norm)")
@@ -340,6 +343,8 @@ def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
             raise NotHeldError(_message(func, p))
     for p in tensors:
         getattr(p, ACCESS_ATTR).admit()
+        if getattr(p, _SELF_VIEW_ATTR, False):  # a self-view admitted with its parameter: a plain tensor now
+            p.__class__ = torch.Tensor
         if isinstance(p, _GUARD_CLASSES):
             raise_internal(f"dedicated parameter {getattr(p, INFO_ATTR, ('?',))[0]!r} is still guarded after "
                            "its boundary group admitted it")
@@ -349,15 +354,15 @@ def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
 def _self_view(p: torch.Tensor) -> torch.Tensor:
     """``p.view_as(p)``, which reads no values: torch's pipelining takes one of every parameter to reach its
     gradient accumulator (``_get_grad_fn_or_grad_acc`` before a zero-bubble schedule's input and weight
-    passes), wherever the boundary's window stands. See [Note: zero-bubble passes]. On a rank that does not
-    hold ``p`` the view keeps ``p``'s class and labels, so reading it later raises as reading ``p`` would."""
+    passes), wherever the boundary's window stands. See [Note: zero-bubble passes]. The view keeps ``p``'s
+    class and labels, so reading it later raises (or is admitted) on every rank as reading ``p`` would."""
     with torch._C.DisableTorchFunctionSubclass():
         view = torch.Tensor.view_as(p, p)
-    if isinstance(p, UnheldParameter):
-        view.__class__ = UnheldParameter
-        for attr in (INFO_ATTR, ACCESS_ATTR):
-            if hasattr(p, attr):
-                setattr(view, attr, getattr(p, attr))
+    view.__class__ = type(p)
+    for attr in (INFO_ATTR, ACCESS_ATTR):
+        if hasattr(p, attr):
+            setattr(view, attr, getattr(p, attr))
+    setattr(view, _SELF_VIEW_ATTR, True)
     return view
 
 
