@@ -34,9 +34,10 @@ stage), step. Under ``--pp`` the schedule runs the forward and backward of the m
 local batch as torch's ``schedule.step(tokens, target=..., losses=..., loss_kwargs=...)`` takes it: torchtitan
 0.3.0's own ``Trainer.forward_backward_step`` passes ``arg_mbs=`` / ``kwarg_mbs=`` / ``target_mbs=`` to
 ``schedule.step``, which torch 2.13's schedules do not take (the model gets them as keywords:
-``Decoder.forward() got an unexpected keyword argument 'arg_mbs'``), with or without dmuon. The checkpoint is
-skipped when a rank holds several stages (``--pp-schedule Interleaved1F1B`` / ``LoopedBFS``): not tested yet
-there. With torchtitan's
+``Decoder.forward() got an unexpected keyword argument 'arg_mbs'``), with or without dmuon. With ``--resume``
+the last step runs twice: once in the loop, then again after ``checkpointer.load`` restored the step before
+it (model parts, optimizers, LR schedule), and the two losses must agree bit for bit (also with several
+stages per rank, ``--pp-schedule Interleaved1F1B`` / ``LoopedBFS``). With torchtitan's
 ``Trainer`` itself, set ``model_spec=dmuon_model_spec(...)`` and the two configs above instead (see the
 docstring of ``dmuon.integrations.torchtitan``).
 
@@ -134,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1, help="parallelism.pipeline_parallel_degree (divides the ranks)")
     parser.add_argument("--pp-schedule", default="1F1B", choices=("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"),
                         help="parallelism.pipeline_parallel_schedule (default 1F1B; the last two: 2 stages per rank)")
+    parser.add_argument("--resume", action="store_true", help="after the run, restore the checkpoint of the step "
+                        "before the last and run the last step again: its loss must equal the first run's bit for bit")
     parser.add_argument("--out", default=None, help="keep the checkpoint in this folder (default: a temporary "
                         "folder, removed at exit)")
     args = parser.parse_args(argv)
@@ -233,7 +236,8 @@ def main(args: argparse.Namespace) -> int:
     dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
     base_folder = holder[0]
     checkpointer = DMuonCheckpointManager.Config(
-        enable=len(parts) == 1, folder="checkpoint", interval=args.steps, last_save_model_only=False,
+        enable=True, folder="checkpoint", interval=max(1, args.steps - 1) if args.resume else args.steps,
+        last_save_model_only=False,
         keep_latest_k=0, initial_load_model_only=False,
     ).build(dataloader=None, model_parts=parts, optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={}, sd_adapter=None, base_folder=base_folder)
@@ -246,8 +250,7 @@ def main(args: argparse.Namespace) -> int:
               + (f"; {len(parts)} model parts of {n_stages} stages on rank 0" if schedule else ""),
               flush=True)
 
-    losses: list[float] = []
-    for step in range(1, args.steps + 1):
+    def train_step(step: int) -> tuple[float, torch.Tensor]:
         tok, tgt = markov_batch(step, BATCH_PER_RANK * dp)
         tok = tok[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
         tgt = tgt[dp_rank * BATCH_PER_RANK : (dp_rank + 1) * BATCH_PER_RANK].to(device)
@@ -266,19 +269,31 @@ def main(args: argparse.Namespace) -> int:
                                                   ep_enabled=parallel_dims.ep_enabled)
         optimizers.step()
         lr_schedulers.step()
-        checkpointer.save(step, last_step=step == args.steps)
-
         logged = loss.detach().clone()
         # the dp ranks' parts add up to the global mean (under pp: the last stage's; the others add 0)
         dist.all_reduce(logged, group=None if schedule is not None else dp_mesh.get_group())
-        losses.append(logged.item())
+        return logged.item(), grad_norm
+
+    losses: list[float] = []
+    for step in range(1, args.steps + 1):
+        loss_value, grad_norm = train_step(step)
+        checkpointer.save(step, last_step=step == args.steps)
+        losses.append(loss_value)
         if rank == 0:
             print(f"step {step:>2}/{args.steps}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.4f}", flush=True)
 
-    checkpointer.close()
     ok, text = loss_fell(losses, by=0.1)  # on 2 CPU ranks: -16% after 4 steps, -42% after 8
+    if args.resume and args.steps > 1:  # the step before the last, restored through torchtitan's checkpointer
+        checkpointer.load(step=args.steps - 1)
+        again, _ = train_step(args.steps)
+        same = again == losses[-1]
+        ok = ok and same
+        if rank == 0:
+            print(f"torchtitan_dmuon: resumed step {args.steps - 1}, step {args.steps} loss {again!r} "
+                  f"{'equals' if same else 'differs from'} the uninterrupted {losses[-1]!r}", flush=True)
+    checkpointer.close()
     dist.barrier()
-    if rank == 0 and len(parts) == 1:
+    if rank == 0:
         ckpt = os.path.join(base_folder, "checkpoint", f"step-{args.steps}")
         print(f"torchtitan_dmuon: saved {ckpt} ({len(os.listdir(ckpt))} files)"
               + ("" if args.out else "; pass --out DIR to keep it"), flush=True)

@@ -36,8 +36,10 @@ LAYERS = {0: (0,), 1: (1,)}
 CFG_V = replace(CFG, n_layers=4)
 #: virtual stages per rank under those schedules
 VIRTUAL = 2
-#: the schedules with several stages per rank
-MULTI = ("interleaved", "looped_bfs")
+#: the schedules with several stages per rank (the zero-bubble ones split each backward in an input and a weight pass)
+MULTI = ("interleaved", "looped_bfs", "zb", "zbv", "dualpipev")
+#: the schedules whose stages go down the ranks and back ("v": rank r holds stages r and 2 pp - 1 - r)
+V_SHAPED = ("zbv", "dualpipev")
 #: QK-clip's threshold and query share, and the factor query head 0 of every layer is scaled up by at init (its
 #: logits far above tau, the other heads below), as tests/test_qk_clip.py sets them
 TAU, ALPHA, BOOST = 8.0, 0.5, 12.0
@@ -122,11 +124,11 @@ def hand_clip_(model: TinyLlama, cfg: TinyLlamaConfig) -> None:
 
 
 def _schedule(name: str) -> type:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed import pipelining as P
 
-    return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
-            "looped_bfs": ScheduleLoopedBFS}[name]
+    return {"1f1b": P.Schedule1F1B, "gpipe": P.ScheduleGPipe, "interleaved": P.ScheduleInterleaved1F1B,
+            "looped_bfs": P.ScheduleLoopedBFS, "zb": P.ScheduleInterleavedZeroBubble, "zbv": P.ScheduleZBVZeroBubble,
+            "dualpipev": getattr(P, "ScheduleDualPipeV", None)}[name]
 
 
 def build_stage(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False) -> tuple[Stage, dmuon.Muon]:
@@ -142,14 +144,14 @@ def build_stage(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = Fal
     return stage, _optimizer(stage, qk_clip)
 
 
-def build_parts(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False
+def build_parts(mesh, *, reshard_after_forward: bool = True, qk_clip: bool = False, v_shaped: bool = False
                 ) -> list[tuple[int, Stage, dmuon.Muon]]:
     """This rank's :data:`VIRTUAL` stages of :data:`CFG_V` (stage ``pp_rank + k * pp``), each dedicated over
     ``mesh["dp"]`` on its own, sharded with FSDP2, with its own ``dmuon.Muon``: ``(stage index, module, optimizer)``."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     n = pp * VIRTUAL
     out = []
-    for index in range(pp_rank, n, pp):
+    for index in ((pp_rank, n - 1 - pp_rank) if v_shaped else range(pp_rank, n, pp)):
         part = Stage(make_model(CFG_V, qk_clip=qk_clip), (index,), first=index == 0, last=index == n - 1)
         dmuon.dedicate_params(part, mesh["dp"], projection_predicate, reshard_after_forward=reshard_after_forward,
                               verbose=False)
@@ -169,7 +171,8 @@ def run_scenario(mesh, sc: Scenario) -> dict:
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     if sc.schedule in MULTI:
-        parts = build_parts(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip)
+        parts = build_parts(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip,
+                            v_shaped=sc.schedule in V_SHAPED)
     else:
         parts = [(pp_rank, *build_stage(mesh, reshard_after_forward=sc.reshard_after_forward, qk_clip=sc.qk_clip))]
     n_stages = pp * len(parts)
@@ -200,7 +203,11 @@ def run_scenario(mesh, sc: Scenario) -> dict:
         chunk = per // sc.accum
         for a in range(sc.accum):
             part = slice(a * chunk, (a + 1) * chunk)
-            if first:
+            if first and last:  # a V-shaped schedule: the first and the last stage on pp rank 0
+                out = []
+                schedule.step(tok[part], target=tgt[part], losses=out)
+                mb.extend(out)
+            elif first:
                 schedule.step(tok[part])
             else:
                 out: list[torch.Tensor] = []  # the schedule refills the list it is given
@@ -260,14 +267,17 @@ def logits_of(weights: dict[str, torch.Tensor], cfg: TinyLlamaConfig = CFG) -> t
 
 @rank_threads()
 def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = False,
-           cfg: TinyLlamaConfig = CFG, qk_clip: bool = False) -> dict:
+           cfg: TinyLlamaConfig = CFG, qk_clip: bool = False, drop_weight_pass: bool = False) -> dict:
     """The whole model on one process: ``torch.optim.Muon`` for the projections, ``torch.optim.AdamW`` for the
     rest, over the global batch. ``max_norm``: clipped by torch's ``clip_grad_norm_`` over every parameter, or
     with ``per_stage_clip`` each half of the model by its own norm (the wrong variant: each of two stages
     clipping alone, or under :data:`CFG_V` each rank clipping each of its stage modules alone, so stages 0-1 and
     2-3 apart); ``"clipped"``: the total norm of
     the gradients after clipping, each step. ``cfg``: :data:`CFG_V` for the schedules with several stages per
-    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`)."""
+    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`).
+    ``drop_weight_pass``: the wrong variant of the zero-bubble schedules, a runtime that never sees the gradients
+    their weight pass assigns: the projections of every layer but the first (the first stage's weight pass is a
+    full backward, whose hooks run) keep no gradient and do not move."""
     torch.manual_seed(0)
     model = make_model(cfg, qk_clip=qk_clip)
     named = list(model.named_parameters())
@@ -284,6 +294,10 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
         opt_a.zero_grad()
         loss = model(tok, tgt).loss
         loss.backward()
+        if drop_weight_pass:
+            for n, p in named:
+                if projection_predicate(n, p) and not n.startswith("layers.0."):
+                    p.grad = None
         if max_norm is not None and not per_stage_clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         elif max_norm is not None:
@@ -361,3 +375,72 @@ class Trainer:
 
         walk("optim", optim)
         return out
+
+
+class PartsTrainer:
+    """This rank's :data:`VIRTUAL` stage modules of :data:`CFG_V` (:func:`build_parts`) on a ``(pp, dp)`` mesh, trained
+    one interleaved 1F1B step (two microbatches) at a time, and checkpointed as the pipeline guide shows: one
+    ``dmuon.get_state_dict`` over the rank's lists of modules and optimizers (the k-th module's dict under
+    ``"part{k}"``), one ``dcp.save`` / ``dcp.load``."""
+
+    def __init__(self, mesh):
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        torch.manual_seed(0)
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        n = mesh["pp"].size() * VIRTUAL
+        parts = build_parts(mesh)
+        self.models, self.opts = [m for _, m, _ in parts], [o for _, _, o in parts]
+        pipes = [PipelineStage(m, i, n, torch.device("cpu"), group=mesh["pp"].get_group()) for i, m, _ in parts]
+        self.first = any(p.is_first for p in pipes)
+        self.schedule = ScheduleInterleaved1F1B(pipes, n_microbatches=2, loss_fn=lm_loss)
+
+    def step(self, tok: torch.Tensor, tgt: torch.Tensor) -> float | None:
+        """One optimizer step of every module; the mean loss of this rank's microbatches where it holds the last
+        stage, else ``None``."""
+        per = GLOBAL_BATCH // self.dp
+        part = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        for opt in self.opts:
+            opt.zero_grad()
+        out: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(tok[part])
+        else:
+            self.schedule.step(target=tgt[part], losses=out)
+        for opt in self.opts:
+            opt.step()
+        return sum(x.item() for x in out) / len(out) if out else None
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(dmuon.get_state_dict(self.models, self.opts, sharded=True), checkpoint_id=path)
+
+    def staged(self, path: str) -> dict:
+        """The checkpoint read into staged copies, one ``dcp.load`` (nothing live changed yet)."""
+        import torch.distributed.checkpoint as dcp
+
+        sd = dmuon.get_state_dict(self.models, self.opts, sharded=True, staged=True)
+        dcp.load(sd, checkpoint_id=path)
+        return sd
+
+    def load(self, path: str) -> None:
+        dmuon.set_state_dict(self.models, self.opts, self.staged(path))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v for m in self.models for k, v in full_weights(m).items()}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Every module's weights and this rank's optimizer state (staged copies' local tensors), by key."""
+        out = {f"model.{k}": v for k, v in self.weights().items()}
+        for k, (m, o) in enumerate(zip(self.models, self.opts)):
+            _walk(f"optim{k}", dmuon.get_optimizer_state_dict(m, o, sharded=True, staged=True), out)
+        return out
+
+
+def _walk(prefix: str, x, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _walk(f"{prefix}.{k}", v, out)
+    elif isinstance(x, torch.Tensor):
+        out[prefix] = (x.to_local() if hasattr(x, "to_local") else x).clone()

@@ -11,11 +11,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed.pipelining
 import torch.nn as nn
 
 import dmuon
 from dmuon.tools.models import projection_predicate
-from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, rel_err
+from tests._asserts import WEIGHT_RTOL, assert_bitwise, assert_close_to, rel_err, worst_weight
 from tests._dist import run_distributed
 from tests._pipeline import (CFG_V, LAYERS, MULTI, Scenario, Stage, build_model, build_stage, lm_loss, logits_of, merge,
                              oracle, pipeline_job)
@@ -30,6 +31,13 @@ SCENARIOS = [Scenario("1f1b", steps=STEPS), Scenario("1f1b_z2", reshard_after_fo
 #: torchtitan's clip call: torch's clip over the parameters of both stage modules
 TORCH_CLIP = [Scenario("interleaved_torch_clip", "interleaved", max_norm=MAX_NORM, torch_clip=True, steps=STEPS),
               Scenario("interleaved_qk", "interleaved", qk_clip=True, steps=STEPS)]
+#: torch's zero-bubble schedules (each backward split into an input and a later weight pass), two stage modules
+#: per rank; DualPipeV wants at least as many microbatches as stages (four), where this torch has it
+HAS_DUALPIPEV = hasattr(torch.distributed.pipelining, "ScheduleDualPipeV")
+ZB_PP2DP1 = [Scenario("zb", "zb", steps=STEPS)] + (
+    [Scenario("dualpipev", "dualpipev", microbatches=4, steps=STEPS)] if HAS_DUALPIPEV else [])
+ZB_PP2DP2 = [Scenario("zb", "zb", steps=STEPS), Scenario("zb_z2", "zb", reshard_after_forward=False, steps=STEPS),
+             Scenario("zbv", "zbv", steps=STEPS)]
 EXTRA = [Scenario("clip", max_norm=MAX_NORM, steps=STEPS), Scenario("accum", accum=2, steps=STEPS),
          Scenario("looped_bfs", "looped_bfs", steps=STEPS),
          Scenario("interleaved_clip", "interleaved", max_norm=MAX_NORM, steps=STEPS),
@@ -70,7 +78,27 @@ def misuse_cases(mesh) -> dict:
     attempt("after_fully_shard", lambda s: dmuon.dedicate_params(s, mesh["dp"], projection_predicate),
             shard_first=pp_rank == pp - 1)
     out["qk_silent_stage"] = _qk_step_with_one_silent_stage(mesh)
+    out["self_view"] = _self_view_read_outside_window(mesh)
     return {"misuse": out}
+
+
+def _self_view_read_outside_window(mesh) -> tuple[str, str, bool]:
+    """``p.view_as(p)`` (torch's zero-bubble passes take one of every param) passes after a Z3 forward, outside
+    the window, on owner and non-owner alike; reading the view raises on every rank, as reading ``p`` does."""
+    pp_rank = mesh["pp"].get_local_rank()
+    model, _ = build_stage(mesh)
+    tok = batches(1)[0][0][:1]
+    model(tok if pp_rank == 0 else torch.zeros(1, tok.shape[1], CFG.dim))  # the pass stays open for the backward
+    p = dict(model.named_parameters())[sorted(dmuon.get_dedicated_params(model))[0]]
+    try:
+        view = p.view_as(p)
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test: the view itself must pass
+        return f"view_as raised {type(e).__name__}", str(e), False
+    try:
+        view.sum()
+    except Exception as e:  # noqa: BLE001 - recorded and checked by the test
+        return type(e).__name__, str(e), True
+    return "no error", "", False
 
 
 def _qk_step_with_one_silent_stage(mesh) -> tuple[str, str, bool]:
@@ -100,12 +128,12 @@ def _qk_step_with_one_silent_stage(mesh) -> tuple[str, str, bool]:
 
 @pytest.fixture(scope="module")
 def pp2dp1() -> list[dict]:
-    return run_distributed(pipeline_job, 2, 2, SCENARIOS + TORCH_CLIP)
+    return run_distributed(pipeline_job, 2, 2, SCENARIOS + TORCH_CLIP + ZB_PP2DP1)
 
 
 @pytest.fixture(scope="module")
 def pp2dp2() -> list[dict]:
-    return run_distributed(pipeline_job, 4, 2, SCENARIOS + EXTRA, misuse_cases)
+    return run_distributed(pipeline_job, 4, 2, SCENARIOS + EXTRA + ZB_PP2DP2, misuse_cases)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +151,10 @@ def _job(request, name: str) -> list[dict]:
     return request.getfixturevalue(name)
 
 
-@pytest.mark.parametrize("job, schedule", [(j, s) for j in ("pp2dp1", "pp2dp2") for s in ("1f1b", "gpipe", "interleaved")]
-                         + [("pp2dp2", "looped_bfs")])
+@pytest.mark.parametrize("job, schedule", [(j, s) for j in ("pp2dp1", "pp2dp2") for s in ("1f1b", "gpipe", "interleaved", "zb")]
+                         + [("pp2dp2", "looped_bfs"), ("pp2dp2", "zbv")]
+                         + [pytest.param("pp2dp1", "dualpipev", marks=pytest.mark.skipif(
+                             not HAS_DUALPIPEV, reason="this torch has no ScheduleDualPipeV"))])
 def test_parity_with_single_process_muon(request, job, schedule):
     run = merge(_job(request, job), schedule)
     ref = request.getfixturevalue("ref_v" if schedule in MULTI else "ref")
@@ -133,8 +163,8 @@ def test_parity_with_single_process_muon(request, job, schedule):
     assert err <= WEIGHT_RTOL, f"{job} {schedule}: logits off by {err:.2e}"
 
 
-@pytest.mark.parametrize("job", ["pp2dp1", "pp2dp2"])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("job, schedule", [(j, s) for j in ("pp2dp1", "pp2dp2") for s in ("1f1b", "interleaved")]
+                         + [("pp2dp2", "zb")])
 def test_z2_equals_z3_bit_for_bit(request, job, schedule):
     results = _job(request, job)
     assert_bitwise(merge(results, f"{schedule}_z2"), merge(results, schedule), f"{job} {schedule} Z2 vs Z3")
@@ -146,17 +176,18 @@ def test_one_reduce_per_step_and_broadcasts_no_more_than_fsdp2(pp2dp2):
     weights are broadcast once per step (the schedule keeps FSDP2's gathered between microbatches; step 0 adds
     the schedule's metadata pass); under Z3 once per microbatch and pass, at most (FSDP2 gathers as often). With
     two stage modules per rank (interleaved 1F1B, looped BFS) the counts and P add both modules': the same
-    bounds, each module's weights broadcast no more often than under 1F1B."""
+    bounds, each module's weights broadcast no more often than under 1F1B. The zero-bubble schedules too: their
+    weight passes assign the gradients torch computes later, and still one reduce of P closes the step."""
     for r in pp2dp2:
         for name in ("1f1b", "1f1b_z2", "gpipe", "clip", "accum", "interleaved", "interleaved_z2", "looped_bfs",
-                     "interleaved_clip", "interleaved_accum"):
+                     "interleaved_clip", "interleaved_accum", "zb", "zb_z2", "zbv"):
             run = r[name]
             P = run["P"]
             for step, (reduced, _, fwd, bwd) in enumerate(run["reduces"]):
                 assert reduced == P, f"{name} step {step}: reduced {reduced} elements, P = {P}"
                 if name.endswith("_z2") and step > 0:
                     assert (fwd, bwd) == (P, 0), f"{name} step {step}: broadcast {fwd} + {bwd}, P = {P}"
-                if name in ("1f1b", "gpipe", "interleaved", "looped_bfs") and step > 0:
+                if name in ("1f1b", "gpipe", "interleaved", "looped_bfs", "zb", "zbv") and step > 0:
                     assert fwd + bwd == 3 * P, f"{name} step {step}: broadcast {fwd} + {bwd}, P = {P}"
 
 
@@ -197,11 +228,12 @@ def test_accumulation_over_schedule_steps(request, pp2dp2, name):
     ("world_mesh", "hold different params"),
     ("after_fully_shard", "before fully_shard"),
     ("qk_silent_stage", "no attention module reported"),
+    ("self_view", "outside the window of its hook boundary"),
 ])
 def test_misuse_refused_on_every_rank(pp2dp2, case, needle):
     for rank, r in enumerate(pp2dp2):
         kind, message, unchanged = r["misuse"][case]
-        want = "RuntimeError" if case == "qk_silent_stage" else "ValueError"
+        want = {"qk_silent_stage": "RuntimeError", "self_view": "OutsideBoundaryError"}.get(case, "ValueError")
         assert kind == want, f"rank {rank} {case}: {kind}: {message}"
         assert needle in message, f"rank {rank} {case}: {message!r} does not mention {needle!r}"
         assert unchanged, f"rank {rank} {case}: the model changed although the call failed"
@@ -245,3 +277,15 @@ def test_diagnostics_summarize_each_stage(pp2dp2):
         for row in rows[0]:  # a row's matrices are its rank's own stage module's
             mine = set(runs[row["rank"]]["dedicated"])
             assert {p["fqn"] for p in row["owned"]} <= mine, (row["rank"], row["owned"])
+
+
+def test_zero_bubble_weight_pass_counts(pp2dp2, ref_v):
+    """The zero-bubble schedules' weight pass assigns ``param.grad`` where no hook runs. Missing those gradients
+    (the wrong variant: every projection but the first stage's, whose weight pass is a full backward, left
+    unmoved) is told apart by the weight bound: the run is within WEIGHT_RTOL of the oracle, so a distance over
+    twice that from the variant puts the variant past the bound (the triangle inequality)."""
+    run = merge(pp2dp2, "zb")
+    wrong = oracle(STEPS, cfg=CFG_V, drop_weight_pass=True)
+    err, key = worst_weight(run["weights"], wrong["weights"])
+    assert err > 2 * WEIGHT_RTOL, f"the run is within {err:.2e} ({key}) of dropping the weight pass"
+    assert worst_weight(run["weights"], ref_v["weights"])[0] <= WEIGHT_RTOL

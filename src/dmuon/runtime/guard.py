@@ -44,6 +44,25 @@ raises :class:`OutsideBoundaryError` with the same message on every rank: holder
 there and non-holders' unheld ones raise the pass error instead of :class:`NotHeldError`. Outside a pass
 holders read freely (the optimizer step, ``dmuon.get_owned_params`` between steps, checkpoints).
 
+[Note: zero-bubble passes]
+torch's zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``) split each microbatch's backward into an *input* pass (``torch.autograd.grad`` to the
+stage's inputs) and a later *weight* pass (``torch.autograd.grad`` from the saved intermediates to the
+weights' accumulators, the result written to ``param.grad`` by assignment). Three things follow for dmuon:
+
+* before either pass torch takes ``p.view_as(p)`` of every parameter, wherever the window stands, only to
+  reach its gradient accumulator: that self-view reads nothing and passes the guard (the view carries the
+  parameter's class, so reading it later raises, or is admitted, on every rank as reading the parameter);
+* the input pass runs the pre-backward hooks (a Z3 boundary broadcasts again) and ends as any backward
+  inside ``no_sync`` does: the copies stay for the weight pass, as FSDP2's do
+  (``set_reshard_after_backward(False)``). Under Z3 a later microbatch's forward frees them again, as FSDP2
+  frees its own: a weight pass then reads only activations and output gradients (a linear layer's weight
+  gradient needs no weight), so no broadcast is added per microbatch; a module whose weight gradient reads
+  the weight itself needs Z2;
+* the weight pass runs no hook at all (its gradients are assigned, not accumulated): the closing reduce
+  (``optimizer.step()`` / ``clip_grad_norm_``) takes an assigned ``param.grad`` in as this rank's
+  ``no_sync`` gradient (``DedicatedParam.adopt_assigned``), so each is averaged once per step.
+
 [Note: module guards]
 Three module calls would otherwise go wrong on some ranks only, so they are refused on every rank alike
 (the decision depends only on the model's structure, which every rank shares):
@@ -82,6 +101,9 @@ INFO_ATTR = "_dmuon_info"
 #: Attribute with the :class:`BoundaryAccess` of every bound dedicated parameter: what its boundary group
 #: answers when a guarded or unheld class meets a value read.
 ACCESS_ATTR = "_dmuon_access"
+
+#: Marks a self-view (:func:`_self_view`) that carries its parameter's guard class.
+_SELF_VIEW_ATTR = "_dmuon_self_view"
 
 _FIX = ("read it on its owner (dmuon.get_owned_params(model)), gather full values with "
         "dmuon.get_model_state_dict(model), clip with dmuon.clip_grad_norm_(model, max_norm)")
@@ -321,10 +343,27 @@ def _check(func: Any, tensors: list[torch.Tensor], as_repr: bool) -> str | None:
             raise NotHeldError(_message(func, p))
     for p in tensors:
         getattr(p, ACCESS_ATTR).admit()
+        if getattr(p, _SELF_VIEW_ATTR, False):  # a self-view admitted with its parameter: a plain tensor now
+            p.__class__ = torch.Tensor
         if isinstance(p, _GUARD_CLASSES):
             raise_internal(f"dedicated parameter {getattr(p, INFO_ATTR, ('?',))[0]!r} is still guarded after "
                            "its boundary group admitted it")
     return None
+
+
+def _self_view(p: torch.Tensor) -> torch.Tensor:
+    """``p.view_as(p)``, which reads no values: torch's pipelining takes one of every parameter to reach its
+    gradient accumulator (``_get_grad_fn_or_grad_acc`` before a zero-bubble schedule's input and weight
+    passes), wherever the boundary's window stands. See [Note: zero-bubble passes]. The view keeps ``p``'s
+    class and labels, so reading it later raises (or is admitted) on every rank as reading ``p`` would."""
+    with torch._C.DisableTorchFunctionSubclass():
+        view = torch.Tensor.view_as(p, p)
+    view.__class__ = type(p)
+    for attr in (INFO_ATTR, ACCESS_ATTR):
+        if hasattr(p, attr):
+            setattr(view, attr, getattr(p, attr))
+    setattr(view, _SELF_VIEW_ATTR, True)
+    return view
 
 
 def _guard(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -333,6 +372,9 @@ def _guard(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     if func in _METADATA or _is_internal():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+    if func is torch.Tensor.view_as and len(args) == 2 and args[0] is args[1] and not kwargs \
+            and isinstance(args[0], (UnheldParameter, GuardedParameter)):
+        return _self_view(args[0])
     as_repr = func is torch.Tensor.__repr__ or (func is torch.Tensor.__format__ and args[1:] == ("",))
     described = _check(func, _dedicated_in((*args, *kwargs.values()), []), as_repr)
     if described is not None:

@@ -349,12 +349,15 @@ class DMuonState:
             self.finish_reduces()
             all_reduce_replicated_grads(self.ctx, self.replicated_params)
 
-    def _hand_over_unsynced(self, g: BoundaryGroup) -> None:
+    def _hand_over_unsynced(self, g: BoundaryGroup, *, adopt: bool = False) -> None:
         """A matrix that accumulated under ``no_sync`` but got no gradient in this (synchronised) backward
         still owes its reduce: hand its sum over now, so every gradient of the step is averaged exactly
         once, as FSDP2 does for its own params. Usage is the same on every rank, so every rank finds the
-        same matrices here and issues the same reduces."""
+        same matrices here and issues the same reduces. ``adopt`` (the drain before a step or clip): also
+        gradients a zero-bubble weight pass assigned ([Note: zero-bubble passes] in ``guard.py``)."""
         for dp in g.params:
+            if adopt:  # a zero-bubble weight pass's gradient: no hook saw it
+                dp.adopt_assigned(g.main_grad_dtype(dp))
             if dp.grad_state is GradState.UNSYNCED:
                 dp.hand_over(g.main_grad_dtype(dp))
 
@@ -368,7 +371,7 @@ class DMuonState:
         sync = self.syncing()
         for g in self.groups:
             if sync:
-                self._hand_over_unsynced(g)
+                self._hand_over_unsynced(g, adopt=True)
                 if g.any_grad_ready():
                     g.reduce_grads()
             g.finish_reduce()

@@ -242,6 +242,21 @@ class DedicatedParam:
             p.grad = None
         self.grad_state = GradState.UNSYNCED
 
+    def adopt_assigned(self, wide: torch.dtype | None) -> None:
+        """A gradient some code assigned to ``param.grad`` without autograd's accumulation, so no hook ran:
+        torch's zero-bubble schedules write each weight pass's gradient so ([Note: zero-bubble passes] in
+        ``dmuon/runtime/guard.py``). In ``EMPTY`` (where ``param.grad`` is otherwise ``None``) or, with a wider
+        reduce dtype, ``UNSYNCED``, it is this rank's local gradient: taken in as if accumulated inside
+        ``no_sync`` (-> UNSYNCED), so the closing reduce averages it once."""
+        p = self.param
+        if p is None or not (self.grad_state is GradState.EMPTY
+                             or (self.grad_state is GradState.UNSYNCED and wide is not None)):
+            return
+        with torch._C.DisableTorchFunctionSubclass():  # a metadata read: no guard on the step's path
+            assigned = p.grad is not None
+        if assigned:
+            self.accumulate_unsynced(wide)
+
     def hand_over(self, wide: torch.dtype | None) -> None:
         """Post-accumulate hook outside ``no_sync``: this backward's local gradient (plus what ``no_sync``
         summed) goes to :attr:`local_grad` for the group's reduce; ``param.grad`` is cleared (-> READY)."""

@@ -18,6 +18,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 import dmuon
 
 from ...checkpoint.checksum import CHECKSUMS_KEY
+from ...checkpoint.combined import part_key
+from ...checkpoint.model import apply_model_sd, check_model_sd
 from ...runtime.guard import internal
 from ...runtime.hooks import STATE_ATTR
 from ._fused_qkv import _fused_qkv_modules, _merge_fused_qkv, _split_fused_qkv
@@ -101,22 +103,28 @@ class DMuonModelWrapper(ModelWrapper):
     def _load_with(self, state_dict: dict[str, Any], optimizers: DMuonOptimizersContainer | None = None,
                    optim_sd: dict[str, Any] | None = None) -> bool:
         """The model parts' entries of a loaded checkpoint dict into the models; with ``optimizers`` and its
-        loaded flat dict, the model it was built for and the optimizer as one unit (``dmuon.set_state_dict``:
-        both halves checked before either is written). Whether the optimizer was loaded. Collective."""
-        paired = False
+        loaded flat dict, the models it was built for and their optimizers as one unit (``dmuon.set_state_dict``
+        over the parts: every part's halves checked before any is written). Whether the optimizer was loaded.
+        Collective."""
+        ours: list[tuple[nn.Module, dict[str, Any]]] = []
         for model in self.model:
             if _has_dmuon(model):
                 live = dmuon.get_model_state_dict(model, sharded=True, checksums=False)
                 # the checkpoint dict also carries optimizer / scheduler / dataloader entries
-                ours = {k: state_dict[k] for k in self._keys_of(model, live) if k in state_dict}
-                _merge_fused_qkv(model, ours, like=live)
-                if optimizers is not None and optim_sd is not None and optimizers.model is model:
-                    dmuon.set_state_dict(model, optimizers.muon,
-                                         {"model": ours, "optim": optimizers.nested_state_dict(optim_sd)})
-                    paired = True
-                else:
-                    dmuon.set_model_state_dict(model, ours)
-            else:
+                part = {k: state_dict[k] for k in self._keys_of(model, live) if k in state_dict}
+                _merge_fused_qkv(model, part, like=live)
+                ours.append((model, part))
+        paired = (optimizers is not None and optim_sd is not None and bool(ours)
+                  and [m for m, _ in ours] == list(optimizers.model_parts))
+        if paired:
+            dmuon.set_state_dict([m for m, _ in ours], list(optimizers.optimizers), {  # type: ignore[union-attr]
+                part_key(k): {"model": sd, "optim": optimizers.nested_state_dict(optim_sd, part=k)}  # type: ignore[union-attr]
+                for k, (_, sd) in enumerate(ours)})
+        else:  # every part checked before any is written, as above
+            for load in [check_model_sd(m, sd, what="DMuonCheckpointManager.load") for m, sd in ours]:
+                apply_model_sd(load)
+        for model in self.model:
+            if not _has_dmuon(model):
                 model.load_state_dict(state_dict, strict=False)
         self.cached_state_dict = self._get_state_dict()
         return paired
@@ -184,12 +192,6 @@ class DMuonCheckpointManager(CheckpointManager):
         sd_adapter: Any,
         base_folder: str = "",
     ) -> None:
-        if config.enable and sum(_has_dmuon(m) for m in model_parts) > 1:  # every rank holds as many parts
-            raise ValueError(
-                f"DMuonCheckpointManager: {len(model_parts)} model parts on this rank (a pipeline schedule with "
-                "several stages per rank); checkpoints of several dmuon parts per rank are not supported yet: use a "
-                "schedule with one stage per rank (1F1B, GPipe), or enable=False."
-            )
         for m in model_parts:  # before the stock ModelWrapper reads model.state_dict() once
             if _has_dmuon(m):
                 _adopt(m)
