@@ -239,9 +239,10 @@ class DeepSpeed(Engine):
         if self.stage0:
             return
         facade = self.zero.optimizer
-        for flat in self._flats():
+        for flat in self._flats():  # (DeepSpeedCPUAdam, under an offloaded optimizer, counts its steps in an int)
             if not facade.state.get(flat):
-                facade.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
+                step = torch.zeros((), dtype=torch.float32) if isinstance(facade, torch.optim.AdamW) else 0
+                facade.state[flat] = {"step": step,
                                       "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
         if self.stage != 3:  # ZeRO-3 reads its sub-groups' state directly
             self.zero._lazy_init_hp_params_optimizer_state()
@@ -254,7 +255,7 @@ class DeepSpeed(Engine):
         flat = self._flat_state(p, group)
         if not flat:
             return None
-        st: dict[str, Any] = {"step": flat["step"].detach().clone()}
+        st: dict[str, Any] = {"step": torch.as_tensor(flat["step"], dtype=torch.float32).clone()}
         for k in sorted(k for k in flat if k != "step"):
             st[k] = safe_get_full_optimizer_state(p, k)  # collective over the ranks
         if p.dtype != self.state_dtype(p):
@@ -286,7 +287,9 @@ class DeepSpeed(Engine):
         for p, st in states.items():
             for k, v in st.items():
                 if k == "step":
-                    self._flat_state(p, groups[id(p)])["step"] = v.detach().to(torch.float32).clone().cpu()
+                    flat = self._flat_state(p, groups[id(p)])
+                    step = torch.as_tensor(v).detach().to(torch.float32).clone().cpu()
+                    flat["step"] = step if isinstance(flat["step"], torch.Tensor) else int(step.item())
                 elif k == "master":
                     safe_set_full_fp32_param(p, v)
                 else:
