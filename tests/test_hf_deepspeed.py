@@ -2,7 +2,8 @@
 26, 34): the ``dmuon.Muon`` reaches DeepSpeed (given as ``optimizers=`` or ``optimizer_cls_and_kwargs=``; Trainer's
 DeepSpeed set-up would otherwise build AdamW), Trainer's schedule scales Muon's groups too, and a run resumed from
 its checkpoint (``engine.save_checkpoint`` + ``scheduler.pt``; its ``model.safetensors`` whole) equals the
-uninterrupted one bit for bit. An optimizer other than ``dmuon.Muon`` is refused on every rank. 2 gloo ranks on
+uninterrupted one bit for bit. An optimizer other than ``dmuon.Muon`` is refused on every rank. Accelerate's
+DeepSpeed plugin with the same ZeRO-3 config: ``save_state`` / ``load_state`` resume bit for bit. 2 gloo ranks on
 CPU."""
 
 from __future__ import annotations
