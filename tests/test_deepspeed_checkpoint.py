@@ -1,7 +1,7 @@
 """Checkpoints of dmuon models under DeepSpeed ZeRO (issue 26): ``engine.save_checkpoint`` / ``load_checkpoint``
 restart bit-identically (ZeRO-2 with accumulation and clipping in fp32; ZeRO-1 in bf16 with fp32 masters), every
-owner's Muon state in its own rank's ZeRO file; dmuon's full state dicts, ZeRO's AdamW state in them, carry a run
-from 2 ranks to 4."""
+owner's Muon state in its own rank's ZeRO file; dmuon's state dicts, ZeRO's AdamW state in them, carry a run
+from 2 ranks to 4: full dicts, and DCP's sharded ones at ZeRO stages 0, 2 and 3 (issue 34)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,11 @@ def test_restart_from_save_checkpoint_is_bit_identical(tmp_path, run, bf16):
     assert keys >= ({"momentum_buffer", "master"} if bf16 else {"momentum_buffer"}), keys
 
 
-#: what carries a run to another world size: dmuon's full dicts (torch.save) at ZeRO-2, and DCP at ZeRO-2 and ZeRO-3
-CARRIES = [("full", 2), ("dcp", 2), ("dcp", 3)]
+#: what carries a run to another world size: dmuon's full dicts (torch.save) at ZeRO-2, and DCP at ZeRO-2, ZeRO-3
+#: and stage 0 (whose AdamW state is torch's own, keyed by the params)
+CARRIES = [("full", 2), ("dcp", 2), ("dcp", 3), ("dcp", 0)]
+#: the DCP saves also resumed on the same 2 ranks (bit for bit): ZeRO-3's sub-groups and stage 0's own AdamW
+SAME_RANKS = [("dcp", 3), ("dcp", 0)]
 
 
 def _snapshot(engine, model, opt) -> list:
@@ -87,7 +90,7 @@ def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
                 dcp.save(dmuon.get_state_dict(model, opt, sharded=True), checkpoint_id=where)
             out[how, stage] = {"head": head, "whole": result(model, train(engine, model, rank, world, run,
                                                                            range(SAVE_AT, STEPS)))}
-            if how == "dcp":  # the same ranks again: bit for bit
+            if (how, stage) in SAME_RANKS:  # the same ranks again: bit for bit
                 engine, model, opt = build(world, run)
                 sd = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
                 dcp.load(sd, checkpoint_id=where)
@@ -118,18 +121,17 @@ def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
 
 
 def test_resume_on_another_world_size_through_dmuons_state_dicts(tmp_path):
-    """Saved on 2 ranks (dmuon's full dicts at ZeRO-2; DCP at ZeRO-2 and ZeRO-3), resumed on 4: each run stays
+    """Saved on 2 ranks (dmuon's full dicts at ZeRO-2; DCP at ZeRO-2, ZeRO-3 and stage 0), resumed on 4: each run stays
     within the oracle's bounds (dropping ZeRO's AdamW moments on the way, measured, puts the last loss 8e-4 off);
-    on the same 2 ranks a DCP resume is bit-identical to its uninterrupted twin; a changed moment is refused on
-    every rank with nothing changed."""
+    on the same 2 ranks a DCP resume (ZeRO-3, stage 0) is bit-identical to its uninterrupted twin; a changed moment
+    is refused on every rank with nothing changed."""
     from tests._asserts import assert_close_to
     from tests._training import train_oracle
 
     head = run_distributed(resume_job, 2, str(tmp_path), True)
     for r in head:
-        for how, stage in CARRIES:
-            if how == "dcp":
-                assert_bitwise(r[how, stage]["resumed"], r[how, stage]["whole"], f"ZeRO-{stage} DCP resume, 2 ranks")
+        for how, stage in SAME_RANKS:
+            assert_bitwise(r[how, stage]["resumed"], r[how, stage]["whole"], f"ZeRO-{stage} DCP resume, 2 ranks")
     tail = run_distributed(resume_job, 4, str(tmp_path), False)
     oracle = train_oracle(STEPS, max_norm=0.5)
     for r in tail:

@@ -235,16 +235,16 @@ class DeepSpeed(Engine):
 
     def materialise_state(self, optimizer: Any) -> None:
         """The zero AdamW state of every slice ZeRO steps, as torch's AdamW creates it at its first step (a
-        no-op on its numbers), and ZeRO-1/2's links of each param to it (its own lazy init)."""
-        if self.stage0:
-            return
-        facade = self.zero.optimizer
-        for flat in self._flats():  # (DeepSpeedCPUAdam, under an offloaded optimizer, counts its steps in an int)
-            if not facade.state.get(flat):
-                step = torch.zeros((), dtype=torch.float32) if isinstance(facade, torch.optim.AdamW) else 0
-                facade.state[flat] = {"step": step,
-                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        if self.stage != 3:  # ZeRO-3 reads its sub-groups' state directly
+        no-op on its numbers), and ZeRO-1/2's links of each param to it (its own lazy init). At stage 0: the
+        state of the model's own params in the AdamW the engine steps."""
+        facade = self.zero if self.stage0 else self.zero.optimizer
+        held = [p for g in facade.param_groups for p in g["params"]] if self.stage0 else self._flats()
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # (torch AdamW's)
+        for t in held:  # (DeepSpeedCPUAdam, under an offloaded optimizer, counts its steps in an int)
+            if not facade.state.get(t):
+                step = torch.zeros((), dtype=scalar) if isinstance(facade, torch.optim.AdamW) else 0
+                facade.state[t] = {"step": step, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+        if not self.stage0 and self.stage != 3:  # ZeRO-3 reads its sub-groups' state directly
             self.zero._lazy_init_hp_params_optimizer_state()
 
     def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
