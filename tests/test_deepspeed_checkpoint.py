@@ -47,6 +47,10 @@ def test_restart_from_save_checkpoint_is_bit_identical(tmp_path, run, bf16):
 #: what carries a run to another world size: dmuon's full dicts (torch.save) at ZeRO-2, and DCP at ZeRO-2, ZeRO-3
 #: and stage 0 (whose AdamW state is torch's own, keyed by the params)
 CARRIES = [("full", 2), ("dcp", 2), ("dcp", 3), ("dcp", 0)]
+#: ZeRO-3 splits each param group into sub-groups of about this many elements (of each rank's partition): the test
+#: model's AdamW group (the embedding's 16384 and the norms' 5 x 128, over the ranks) into two or more, each with
+#: its own slice and AdamW state
+SUB_GROUP = {"stage": 3, "sub_group_size": 2048}
 #: the DCP saves also resumed on the same 2 ranks (bit for bit): ZeRO-3's sub-groups and stage 0's own AdamW
 SAME_RANKS = [("dcp", 3), ("dcp", 0)]
 
@@ -79,7 +83,10 @@ def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
     out: dict = {}
     for how, stage in CARRIES:
         run, where = Run(stage, 2, 0.5), f"{path}/{how}{stage}"
-        engine, model, opt = build(world, run)
+        extra = {"zero_optimization": SUB_GROUP} if stage == 3 else {}
+        engine, model, opt = build(world, run, **extra)
+        if stage == 3:
+            out["sub_groups"] = len(engine.optimizer.fp32_partitioned_groups_flat)
         if save:
             head = train(engine, model, rank, world, run, range(SAVE_AT))
             if how == "full":
@@ -91,7 +98,7 @@ def resume_job(rank: int, world: int, path: str, save: bool) -> dict:
             out[how, stage] = {"head": head, "whole": result(model, train(engine, model, rank, world, run,
                                                                            range(SAVE_AT, STEPS)))}
             if (how, stage) in SAME_RANKS:  # the same ranks again: bit for bit
-                engine, model, opt = build(world, run)
+                engine, model, opt = build(world, run, **extra)
                 sd = dmuon.get_state_dict(model, opt, sharded=True, staged=True)
                 dcp.load(sd, checkpoint_id=where)
                 dmuon.set_state_dict(model, opt, sd)
@@ -141,3 +148,4 @@ def test_resume_on_another_world_size_through_dmuons_state_dicts(tmp_path):
                             f"ZeRO-{stage} {how}: 2 ranks -> 4 ranks")
         assert "checksums do not match" in r["refused"] and "norm.weight.exp_avg" in r["refused"], r["refused"]
         assert r["changed"] == 0, r["changed"]
+    assert all(r["sub_groups"] > 1 for r in head + tail), [r["sub_groups"] for r in head + tail]
