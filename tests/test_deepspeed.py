@@ -141,7 +141,8 @@ def misuse_job(rank: int, world: int) -> dict:
     init = deepspeed.initialize
     out = {
         "zero3_offload": _refused(lambda: init(model=model, optimizer=opt, config=config(
-            world, stage=3, accum=1, zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}))),
+            world, stage=3, accum=1, zero_optimization={"stage": 3, "offload_optimizer": {
+                "device": "nvme", "nvme_path": "/nonexistent"}}))),
         "zero0_bf16": _refused(lambda: init(model=model, optimizer=opt, config=config(world, stage=0, accum=1,
                                                                                        bf16={"enabled": True}))),
         "adamw": _refused(lambda: init(model=model, optimizer=torch.optim.AdamW(model.parameters()),
@@ -169,7 +170,7 @@ def misuse_job(rank: int, world: int) -> dict:
 
 
 MISUSE = {
-    "zero3_offload": "zero_optimization.offload_optimizer is not supported",
+    "zero3_offload": "zero_optimization.offload_optimizer.device 'nvme' is not supported",
     "zero0_bf16": "ZeRO stage 0 in torch.bfloat16 runs DeepSpeed's FP16_UnfusedOptimizer",
     "adamw": "is inside a DeepSpeed optimizer group (optimizer=AdamW)",
     "config_optimizer": "is inside a DeepSpeed optimizer group (the config's 'optimizer' section",

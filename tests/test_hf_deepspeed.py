@@ -2,7 +2,8 @@
 26, 34): the ``dmuon.Muon`` reaches DeepSpeed (given as ``optimizers=`` or ``optimizer_cls_and_kwargs=``; Trainer's
 DeepSpeed set-up would otherwise build AdamW), Trainer's schedule scales Muon's groups too, and a run resumed from
 its checkpoint (``engine.save_checkpoint`` + ``scheduler.pt``; its ``model.safetensors`` whole) equals the
-uninterrupted one bit for bit. An optimizer other than ``dmuon.Muon`` is refused on every rank. 2 gloo ranks on
+uninterrupted one bit for bit. An optimizer other than ``dmuon.Muon`` is refused on every rank. Accelerate's
+DeepSpeed plugin with the same ZeRO-3 config: ``save_state`` / ``load_state`` resume bit for bit. 2 gloo ranks on
 CPU."""
 
 from __future__ import annotations
@@ -100,13 +101,43 @@ def _refused(world: int, out: str) -> str:
     return ""
 
 
+def _accelerate(world: int, out: str, *, resume: bool) -> dict[str, Any]:
+    """Accelerate's DeepSpeed plugin with the ZeRO-3 config: 4 steps of 2 micro-batches, ``save_state`` after 2
+    (``resume``: a fresh ``Accelerator`` loads that state and trains the last 2); the losses and the whole model."""
+    import dmuon
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    _gloo_state()
+    model = _model(world, 0 if not resume else 1)
+    config = {**DS, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    engine, opt = acc.prepare(model, dmuon.Muon(model, lr=0.02, adamw_lr=1e-3))
+    data, rank, losses = Tokens(64), acc.process_index, {}
+    for step in range(2 if resume else 0, 4):
+        if resume and step == 2:
+            acc.load_state(out)
+        for micro in range(2):
+            i = (step * 2 + micro) * 2 * world + rank * 2
+            batch = torch.stack([data[j]["input_ids"] for j in range(i, i + 2)])
+            loss = engine(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[step, micro] = loss.item()
+        if step == 1 and not resume:
+            acc.save_state(out)
+    return {"losses": losses, "weights": dmuon.get_model_state_dict(model, rank0_only=True)}
+
+
 def trainer_job(rank: int, world: int, outdir: str) -> dict[str, Any]:
     os.environ.update(LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     setup(rank)
     full = _train(world, 0, os.path.join(outdir, "full"), None, "optimizers")
     resumed = _train(world, 1, os.path.join(outdir, "resumed"), os.path.join(outdir, "full", "checkpoint-4"),
                      "optimizer_cls_and_kwargs")
-    return {"full": full, "resumed": resumed, "refused": _refused(world, os.path.join(outdir, "refused"))}
+    accelerate = [_accelerate(world, os.path.join(outdir, "accelerate"), resume=r) for r in (False, True)]
+    return {"full": full, "resumed": resumed, "refused": _refused(world, os.path.join(outdir, "refused")),
+            "accelerate": accelerate}
 
 
 def test_trainer_with_a_deepspeed_config_trains_and_resumes_bit_identically(tmp_path):
@@ -133,3 +164,8 @@ def test_trainer_with_a_deepspeed_config_trains_and_resumes_bit_identically(tmp_
             assert lrs == pytest.approx([base * factor for base in (0.02, 1e-3, 1e-3)], rel=1e-12, abs=1e-15), lrs
         assert resumed["lrs"] == {s: full["lrs"][s] for s in resumed["lrs"]}
         assert "Trainer would build its own optimizer" in r["refused"], r["refused"]
+        whole, again = r["accelerate"]  # Accelerate's DeepSpeed plugin at ZeRO-3: save_state / load_state
+        assert set(again["losses"]) == {(s, m) for s in (2, 3) for m in (0, 1)}
+        assert again["losses"] == {k: whole["losses"][k] for k in again["losses"]}
+        for k, v in whole["weights"].items():
+            assert torch.equal(v, again["weights"][k]), k

@@ -199,8 +199,21 @@ def _verify_checksums(state: DMuonState, entries: list[_Entry], sd: Mapping[str,
                      "metadata of another); nothing was changed.")
 
 
+def _sharded(entries: list[_Entry], sd: Mapping[str, Any], rank: int) -> bool:
+    """Whether ``sd`` is a sharded (DCP) dict: it holds DTensors (FSDP2's), or, where the engine keeps every
+    param whole (DDP, DeepSpeed), it holds exactly the dedicated tensors this rank owns (a full dict holds them
+    all). Local."""
+    if any(isinstance(v, DTensor) for v in sd.values()):
+        return True
+    if any(e.kind is _Kind.DTENSOR for e in entries):
+        return False
+    others = [e.key for e in entries if e.kind is _Kind.DEDICATED and e.dp is not None and e.dp.owner != rank]
+    mine = [e.key for e in entries if e.kind is _Kind.DEDICATED and e.dp is not None and e.dp.owner == rank]
+    return bool(others) and not any(k in sd for k in others) and all(k in sd for k in mine)
+
+
 def _validate_model_sd(entries: list[_Entry], sd: Mapping[str, Any], rank: int) -> list[str]:
-    sharded = any(isinstance(v, DTensor) for v in sd.values())
+    sharded = _sharded(entries, sd, rank)
     expected = {
         e.key: e for e in entries
         if not (sharded and e.kind is _Kind.DEDICATED and e.dp is not None and e.dp.owner != rank)
@@ -275,7 +288,7 @@ def check_model_sd(model: nn.Module, state_dict: Mapping[str, Any], *, what: str
         entries = _model_entries(model, state)
         has = len(state_dict) > 0 or bool(problems)
         errors = list(problems) or (_validate_model_sd(entries, state_dict, state.ctx.rank) if has else [])
-        sharded = any(isinstance(v, DTensor) for v in state_dict.values())
+        sharded = _sharded(entries, state_dict, state.ctx.rank)
         errors += stage_problem(state, sharded=sharded) if has and not errors else []
         fp = "" if sharded else structure_fingerprint(dict(state_dict))
         mode = detect_mode(state, what, has, errors, fp)

@@ -177,12 +177,12 @@ def get_optimizer_state_dict(
             torch.save(optim_sd, "optim.pt")
     """
     state = _check_optimizer(model, optimizer)
-    _engine(optimizer).check_optimizer_dict(sharded=sharded)
     refuse_full_under_stages(state, "get_optimizer_state_dict", sharded=sharded)
     prepare(model)
     ctx = state.ctx
     if sharded:
         optimizer.materialise_state()
+        _engine(optimizer).materialise_state(optimizer)  # (DeepSpeed's ZeRO keeps its AdamW state itself)
     opt: Any = optimizer
     owned_meta = {
         dp.fqn: [(k, tuple(v.shape), v.dtype) for k, v in sorted(opt.state[dp.param].items())]
@@ -312,7 +312,7 @@ def _validate_optim_sd(opt: Any, state: DMuonState, sd: Any, expected_names: lis
     if errors:
         return ["; ".join(errors)]
     full_shape = {dp.fqn: tuple(dp.full_shape or dp.shape) for dp in state.dedicated()}  # TP: the matrix's
-    full_shape.update({name: tuple(p.shape) for name, p, _ in _every_rank_params(opt)})
+    full_shape.update({name: _engine(opt).param_shape(p) for name, p, _ in _every_rank_params(opt)})
     dtype_of = {name: _engine(opt).state_dtype(p) for name, p, _ in _every_rank_params(opt)}
     every_rank_muon = {name: _state_dtypes(opt, name, p, g) for name, p, g in _every_rank_params(opt)}
     rules = _rules(opt)
@@ -379,7 +379,6 @@ def check_optim_sd(model: nn.Module, optimizer: torch.optim.Optimizer, state_dic
     rank, one gather in which every rank agrees (raising together), then the checksums. Collective; changes
     nothing."""
     state = _check_optimizer(model, optimizer)
-    _engine(optimizer).check_optimizer_dict(sharded=False)  # what the engine cannot take at all (ZeRO-3)
     prepare(model)
     mode = _agree(optimizer, state, state_dict, what)
     groups, structure, local_state = _sources(state, state_dict, mode)

@@ -165,14 +165,20 @@ class Engine:
         """The dtype of the optimizer state of one param the engine trains."""
         return p.dtype
 
+    def param_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The whole shape of one param the engine trains (a DTensor's is its global shape already)."""
+        return tuple(p.shape)
+
+    def materialise_state(self, optimizer: Any) -> None:
+        """Create the zero state a first step would create where the engine keeps its params' optimizer state
+        itself (DeepSpeed's ZeRO), so a sharded dict built before the first step has every key. Here: the
+        optimizer's own, which ``dmuon.Muon.materialise_state`` creates."""
+
     def load_optimizer_state(self, optimizer: Any, states: dict[torch.Tensor, dict[str, Any]]
                              ) -> dict[torch.Tensor, dict[str, Any]]:
         """Take a checked optimizer dict's state of the params the engine trains; return what the optimizer
         keeps itself (here: all of it)."""
         return states
-
-    def check_optimizer_dict(self, *, sharded: bool) -> None:
-        """Raise where the engine's part of a (``sharded``) optimizer state dict cannot be formed."""
 
     def full_params(self, *, write: bool = False) -> AbstractContextManager[Any]:
         """While the block runs, every param the engine keeps in slices between uses (DeepSpeed ZeRO-3) is whole

@@ -35,6 +35,13 @@ into this world size's slices. So a param ZeRO trains has ``step``, ``exp_avg``,
 (fp32), and, where the model is bf16 or fp16, ``master``: its fp32 master. Loading the model dict alone
 restarts ZeRO's masters from the loaded params (``after_model_load``), as ``load_module_only`` does. At stage 0
 (fp32) the AdamW state is torch's own, keyed by the param: read and written as it is.
+The AdamW ``step`` is per slice: ZeRO-1/2's slice of each group; ZeRO-3 splits each group into sub-groups
+(``sub_group_to_group_id``), each with its own slice in ``fp32_partitioned_groups_flat`` and its own AdamW state,
+and its ``grad_position`` names the sub-group that holds each param (:meth:`DeepSpeed._flat`). A sharded (DCP)
+dict holds the same whole tensors (ZeRO's slices are cut across params, not per param, so no DTensor describes
+them): DCP writes one copy, and every rank reads it whole at the load, where each keeps its own slice. Before the
+first step (a ``dcp.load`` target) the slices get the zero state torch's AdamW would create
+(:meth:`DeepSpeed.materialise_state`), so the dict has every key.
 """
 
 from __future__ import annotations
@@ -203,19 +210,52 @@ class DeepSpeed(Engine):
         by_name = dict(self.model.named_parameters())  # ZeRO replaced the group's params by its flat slice
         return [(name, by_name[name], group) for name in group["param_names"]]
 
-    def _flat_state(self, group: dict[str, Any]) -> dict[str, Any]:
-        """torch AdamW's state of the group's flat slice on this rank (empty before the first step)."""
-        return self.zero.optimizer.state.get(group["params"][0], {})
+    def _flat(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The fp32 slice on this rank whose AdamW state holds ``p``'s part: ZeRO-1/2's slice of the group (its
+        ``params``), or the ZeRO-3 sub-group that holds ``p`` (``sub_group_to_group_id`` maps sub-groups to
+        groups; its ``grad_position`` each param to its sub-group)."""
+        zero = self.zero
+        if self.stage == 3:
+            return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(p)][0]]
+        return group["params"][0]
+
+    def _flats(self) -> list[torch.Tensor]:
+        """Every fp32 slice ZeRO's AdamW steps on this rank (one per group; at ZeRO-3 one per sub-group)."""
+        if self.stage == 3:
+            return list(self.zero.fp32_partitioned_groups_flat)
+        return [g["params"][0] for g in self.zero.optimizer.param_groups]
+
+    def _flat_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """torch AdamW's state of the slice holding ``p`` on this rank (empty before the first step)."""
+        return self.zero.optimizer.state.get(self._flat(p, group), {})
+
+    def param_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """A ZeRO-3 param holds 0 elements between uses: its whole shape is ``ds_shape``."""
+        return tuple(p.ds_shape) if getattr(p, "ds_tensor", None) is not None else tuple(p.shape)
+
+    def materialise_state(self, optimizer: Any) -> None:
+        """The zero AdamW state of every slice ZeRO steps, as torch's AdamW creates it at its first step (a
+        no-op on its numbers), and ZeRO-1/2's links of each param to it (its own lazy init). At stage 0: the
+        state of the model's own params in the AdamW the engine steps."""
+        facade = self.zero if self.stage0 else self.zero.optimizer
+        held = [p for g in facade.param_groups for p in g["params"]] if self.stage0 else self._flats()
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # (torch AdamW's)
+        for t in held:  # (DeepSpeedCPUAdam, under an offloaded optimizer, counts its steps in an int)
+            if not facade.state.get(t):
+                step = torch.zeros((), dtype=scalar) if isinstance(facade, torch.optim.AdamW) else 0
+                facade.state[t] = {"step": step, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+        if not self.stage0 and self.stage != 3:  # ZeRO-3 reads its sub-groups' state directly
+            self.zero._lazy_init_hp_params_optimizer_state()
 
     def optimizer_state(self, optimizer: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any] | None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self.stage0:  # the AdamW's own entry of the param itself
             return self.zero.state.get(p)
-        flat = self._flat_state(group)
+        flat = self._flat_state(p, group)
         if not flat:
             return None
-        st: dict[str, Any] = {"step": flat["step"].detach().clone()}
+        st: dict[str, Any] = {"step": torch.as_tensor(flat["step"], dtype=torch.float32).clone()}
         for k in sorted(k for k in flat if k != "step"):
             st[k] = safe_get_full_optimizer_state(p, k)  # collective over the ranks
         if p.dtype != self.state_dtype(p):
@@ -226,6 +266,8 @@ class DeepSpeed(Engine):
         if self.stage0:
             return p.dtype
         zero = self.zero  # ZeRO-1/2's slices, or BF16_Optimizer's (stage 1, bf16, fp32 accumulation)
+        if self.stage == 3:
+            return zero.fp32_partitioned_groups_flat[0].dtype
         slices = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
         return slices[0].dtype
 
@@ -239,38 +281,20 @@ class DeepSpeed(Engine):
             for p, st in states.items():
                 self.zero.state[p] = dict(st)
             return {}
-        facade = self.zero.optimizer
-        for group in facade.param_groups:  # before the first step: the zero state it would create
-            flat = group["params"][0]
-            if not facade.state.get(flat):
-                facade.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
-                                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        self.zero._lazy_init_hp_params_optimizer_state()  # ZeRO's own link of each param to its slices' state
+        self.materialise_state(optimizer)  # before the first step: the zero state it would create
         groups = {id(p): g for g in optimizer.param_groups for _, p, g in
                   (self.group_params(optimizer, g) if g["kind"] in ("adamw", "adamw_replicated") else [])}
         for p, st in states.items():
             for k, v in st.items():
                 if k == "step":
-                    self._flat_state(groups[id(p)])["step"] = v.detach().to(torch.float32).clone().cpu()
+                    flat = self._flat_state(p, groups[id(p)])
+                    step = torch.as_tensor(v).detach().to(torch.float32).clone().cpu()
+                    flat["step"] = step if isinstance(flat["step"], torch.Tensor) else int(step.item())
                 elif k == "master":
                     safe_set_full_fp32_param(p, v)
                 else:
                     safe_set_full_optimizer_state(p, v, k)
         return {}
-
-    def check_optimizer_dict(self, *, sharded: bool) -> None:
-        if self.stage == 3:
-            raise ValueError(
-                "dmuon's optimizer state dicts (get_optimizer_state_dict / get_state_dict and their setters) on a "
-                "DeepSpeed ZeRO-3 model: ZeRO-3 keeps the AdamW state in per-rank sub-group slices that these dicts "
-                "do not read yet. Save and resume with engine.save_checkpoint / engine.load_checkpoint (same number "
-                "of ranks); dmuon.get_model_state_dict works (it gathers ZeRO-3's params)."
-            )
-        if sharded:
-            raise ValueError(
-                "dmuon.get_optimizer_state_dict(sharded=True) on a DeepSpeed model: ZeRO keeps the AdamW state in "
-                "its own flat slices; save with engine.save_checkpoint, or dmuon's full dicts (sharded=False)."
-            )
 
     def describe(self) -> dict[str, Any]:
         engine: Any = self.wrapper

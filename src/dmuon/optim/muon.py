@@ -441,6 +441,8 @@ class Muon(torch.optim.Optimizer):
                     for m in members:
                         strategy.materialise_(ctx, m, rule_of(g))
                 continue
+            if not any(g is h for h in self._adamw.param_groups):  # an engine steps it (DeepSpeed's ZeRO)
+                continue
             for p in g["params"]:
                 st = self.state[p]
                 if len(st) == 0:

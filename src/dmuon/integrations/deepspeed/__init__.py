@@ -44,7 +44,8 @@ What ``deepspeed.initialize`` (``DeepSpeedEngine.__init__``) does to such a mode
   param that its hooks never gather or free ([Note: DeepSpeed ZeRO-3] in ``_zero3.py``).
 * Refused before anything changes, on every rank: bf16 / fp16 at stage 0, an optimizer other than
   the model's ``dmuon.Muon`` (DeepSpeed would put dedicated params in its groups), dedicated params of another
-  dtype than the config's fp16 / bf16, optimizer offload, ``elastic_checkpoint``, model, tensor or sequence
+  dtype than the config's fp16 / bf16, optimizer offload to NVMe (to the CPU works: [Note: DeepSpeed optimizer
+  offload] in ``_drive.py``), ``elastic_checkpoint``, model, tensor or sequence
   parallelism, and dmuon's HSDP, tensor-parallel or engine-sharded params.
 """
 
@@ -63,7 +64,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"dmuon.integrations.deepspeed needs deepspeed ({e}); pip install deepspeed") from e
 
 from ...runtime.hooks import STATE_ATTR
-from ._checks import agree, problems
+from ._checks import agree, problems, uses_cpu_adam
 from ._drive import Drive
 from ._zero3 import Zero3, hidden
 
@@ -89,7 +90,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             return
         optimizer = bound.arguments.get("optimizer")
         agree(problems(state, optimizer, bound.arguments.get("model_parameters"), bound.arguments["config_class"]))
-        drive = Drive(state, optimizer)
+        drive = Drive(state, optimizer, cpu_adam=uses_cpu_adam(bound.arguments["config_class"]))
         bound.arguments["optimizer"] = drive.facade  # ZeRO takes the other params' groups only
         dedicated = [dp.bound() for dp in state.dedicated()]
         for p in dedicated:

@@ -13,7 +13,7 @@ from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._part import engine_groups
 
-__all__ = ["problems", "agree", "agreed"]
+__all__ = ["problems", "agree", "agreed", "offload_device", "uses_cpu_adam"]
 
 
 def _dtype(config: Any) -> torch.dtype | None:
@@ -23,6 +23,19 @@ def _dtype(config: Any) -> torch.dtype | None:
     if config.bfloat16_config.enabled:
         return torch.bfloat16
     return None
+
+
+def offload_device(config: Any) -> str | None:
+    """Where the config offloads ZeRO's optimizer (``"cpu"``, ``"nvme"``), ``None`` where it does not."""
+    offload = getattr(config.zero_config, "offload_optimizer", None)
+    device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none"))).lower()
+    return None if offload is None or device in ("none", "offloaddeviceenum.none") else device
+
+
+def uses_cpu_adam(config: Any) -> bool:
+    """Whether ZeRO gets DeepSpeed's ``DeepSpeedCPUAdam``: DeepSpeed requires it for an offloaded optimizer unless
+    the config sets ``"zero_force_ds_cpu_optimizer": false`` (then torch's ``AdamW`` steps the CPU slices)."""
+    return offload_device(config) == "cpu" and bool(getattr(config, "zero_force_ds_cpu_optimizer", True))
 
 
 def _optimizer_problem(state: DMuonState, optimizer: Any, model_parameters: Any) -> str | None:
@@ -76,11 +89,10 @@ def problems(state: DMuonState, optimizer: Any, model_parameters: Any, config: A
         out.append("zero_optimization.elastic_checkpoint saves ZeRO's AdamW state without the optimizer's own state "
                    "dict, so the owners' Muon state would not be saved; remove it (resume on another world size "
                    "through dmuon's full state dicts)")
-    offload = getattr(zero, "offload_optimizer", None)
-    device = str(getattr(offload, "device", "none")).lower()
-    if offload is not None and device not in ("none", "offloaddeviceenum.none"):
-        out.append("zero_optimization.offload_optimizer is not supported with dmuon (its step runs on the CPU "
-                   "slice only); remove it")
+    if offload_device(config) not in (None, "cpu"):
+        out.append(f"zero_optimization.offload_optimizer.device {offload_device(config)!r} is not supported with "
+                   "dmuon: ZeRO-Infinity swaps its optimizer state to files that dmuon's state dicts and checkpoint "
+                   "checks do not read; offload to \"cpu\", or remove it")
     engine_lrs = [g["lr"] for g in engine_groups(optimizer)] if isinstance(optimizer, Muon) else [1.0]
     if config.scheduler_name is not None and engine_lrs and not engine_lrs[0]:
         out.append(f"the config's scheduler {config.scheduler_name!r} sets the lr of the params ZeRO trains, and "

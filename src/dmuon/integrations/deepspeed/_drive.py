@@ -19,6 +19,16 @@ never meet them; the four methods of ZeRO's optimizer object below bring them in
   step, dmuon's update too);
 * ``zero_grad``: ZeRO's, and the dedicated gradients (after a step, and when an overflow drops the step).
 
+[Note: DeepSpeed optimizer offload]
+``"offload_optimizer": {"device": "cpu"}`` moves ZeRO's part of the step to the CPU, as DeepSpeed does: its fp32
+slices, their AdamW state and the step live in CPU memory, and DeepSpeed requires its ``DeepSpeedCPUAdam`` there
+unless the config sets ``"zero_force_ds_cpu_optimizer": false``; so the facade is that class (an AdamW,
+``adamw_mode=True``, over the same group dicts), or torch's AdamW where the config allows it. The dedicated
+matrices are not ZeRO's: their Muon state (momentum, fp32 master) stays on the owner's device, next to the
+gradient the owner receives and the Newton–Schulz it runs there; moving it to the CPU would put a copy each way
+per matrix and step on the critical path, a separate choice dmuon does not make. ``"nvme"`` (ZeRO-Infinity) is
+refused: its state is swapped to files dmuon's state dicts do not read.
+
 [Note: DeepSpeed config schedulers]
 A config ``"scheduler"`` (``WarmupLR``, ``WarmupDecayLR``, ``OneCycle``, a torch scheduler by name) is built by
 DeepSpeed on its own optimizer, so it sets the lr of ZeRO's groups (the shared AdamW group dicts), often to the
@@ -66,11 +76,18 @@ class Drive:
     BF16_METHODS: ClassVar[tuple[str, ...]] = ("step", "get_grads_for_norm", "zero_grad", "refresh_fp32_params",
                                                 "_lazy_init_hp_params_optimizer_state")
 
-    def __init__(self, state: DMuonState, muon: Muon) -> None:
+    def __init__(self, state: DMuonState, muon: Muon, *, cpu_adam: bool = False) -> None:
         self.state, self.muon = state, muon
         shared = engine_groups(muon)
-        #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains
-        self.facade = torch.optim.AdamW(shared, **muon.adamw_kernels)
+        #: what ZeRO wraps: torch's AdamW over the very group dicts of ``muon`` whose params DeepSpeed trains, or
+        #: (``cpu_adam``: an offloaded optimizer, [Note: DeepSpeed optimizer offload]) DeepSpeed's CPU AdamW
+        self.facade: torch.optim.Optimizer
+        if cpu_adam:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            self.facade = DeepSpeedCPUAdam(shared, adamw_mode=True)
+        else:
+            self.facade = torch.optim.AdamW(shared, **muon.adamw_kernels)
         self.shared = list(self.facade.param_groups)
         #: each of dmuon's own groups with its lr over the first group ZeRO steps, as built: the ratio a config
         #: ``"scheduler"`` (which sets the lr of ZeRO's groups only) keeps ([Note: DeepSpeed config schedulers])
