@@ -1,5 +1,6 @@
 """DeepSpeed configs people run, with dmuon (issue 34): a config ``"scheduler"``, and bf16 with fp32 gradient
-accumulation at ZeRO stage 1 (DeepSpeed's ``BF16_Optimizer``), both refused before.
+accumulation at ZeRO stage 1 (DeepSpeed's ``BF16_Optimizer``), both refused before; bf16 at ZeRO-3 restarts
+bit-identically (in the bf16 launch).
 
 * ``"scheduler": WarmupLR`` sets the lr of ZeRO's AdamW groups to the config's numbers; dmuon's Muon groups follow
   at their ratio as built ([Note: DeepSpeed config schedulers]): each Muon step runs at the lr the same warm-up
@@ -99,16 +100,31 @@ def bf16_job(rank: int, world: int, ckpt: str) -> dict:
     engine, model, _ = build_bf16(world, run, **ACCUM_FP32)
     engine.load_checkpoint(ckpt, tag="s")
     again = train(engine, model, rank, world, run, range(2, 4))
-    return {"kind": kind, "norms": head["norms"], "whole": whole, "files": sorted(os.listdir(f"{ckpt}/s")),
-            "resumed": result(model, {"losses": head["losses"] + again["losses"]})}
+    out = {"kind": kind, "norms": head["norms"], "whole": whole, "files": sorted(os.listdir(f"{ckpt}/s")),
+           "resumed": result(model, {"losses": head["losses"] + again["losses"]})}
+    # bf16 at ZeRO-3 (issue 34), accumulation 2 and clipping: its restart, in the same launch
+    z3 = Run(3, 2, 0.5)
+    engine, model, _ = build_bf16(world, z3)
+    out["zero3_kind"] = type(engine.optimizer).__name__
+    head = train(engine, model, rank, world, z3, range(2))
+    engine.save_checkpoint(ckpt, tag="z3")
+    tail = train(engine, model, rank, world, z3, range(2, 4))
+    out["zero3_whole"] = result(model, {"losses": head["losses"] + tail["losses"]})
+    engine, model, _ = build_bf16(world, z3)
+    engine.load_checkpoint(ckpt, tag="z3")
+    again = train(engine, model, rank, world, z3, range(2, 4))
+    out["zero3_resumed"] = result(model, {"losses": head["losses"] + again["losses"]})
+    return out
 
 
-def test_bf16_with_fp32_accumulation_at_stage_1(tmp_path):
+def test_bf16_with_fp32_accumulation_at_stage_1_and_zero3_restart(tmp_path):
     results = run_distributed(bf16_job, 2, str(tmp_path))
     oracle = train_oracle(1, max_norm=0.5)["norms"][0]
     for r in results:
         assert r["kind"] == "BF16_Optimizer", r["kind"]
         assert abs(r["norms"][0] - oracle) / oracle <= NORM_RTOL, (r["norms"][0], oracle)
         assert_bitwise(r["resumed"], r["whole"], "BF16_Optimizer restart")
+        assert r["zero3_kind"] == "DeepSpeedZeroOptimizer_Stage3", r["zero3_kind"]
+        assert_bitwise(r["zero3_resumed"], r["zero3_whole"], "ZeRO-3 bf16 restart")
     assert [f for f in results[0]["files"] if f.startswith("bf16_zero")] == [
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
