@@ -85,7 +85,7 @@ def two_rank_job(rank: int, world: int, ckpt: str) -> dict:
 
 def four_rank_job(rank: int, world: int, ckpt: str) -> dict:
     """The 2-rank checkpoint refused before anything changes (every weight, gathered, as it was; the engine then
-    trains like the oracle)."""
+    trains like the oracle); then a model built under ``zero.Init`` trains like the oracle at 4 ranks too."""
     setup(rank)
     run = RUNS[world][0]
     engine, model, _ = build(world, run)
@@ -97,7 +97,10 @@ def four_rank_job(rank: int, world: int, ckpt: str) -> dict:
         refused = str(e)
     unchanged = [k for k, v in result(model, {})["weights"].items() if not torch.equal(v, before[k])]
     trained = result(model, train(engine, model, rank, world, run, range(STEPS)))
-    return {run.name: trained, "refused": refused, "changed": unchanged}
+    engine, model, _, partitioned, _ = build_zero_init(world, ZERO_INIT)  # zero.Init at 4 ranks too
+    zero_init = result(model, train(engine, model, rank, world, ZERO_INIT, range(STEPS)))
+    zero_init["partitioned"] = partitioned
+    return {run.name: trained, "refused": refused, "changed": unchanged, "zero_init": zero_init}
 
 
 def _norm_error(run: dict, oracle: dict) -> float:
@@ -144,6 +147,10 @@ def test_zero3_matches_the_oracle_restarts_and_refuses_another_world_size(tmp_pa
     assert _norm_error(got, oracles[MAX_NORM]) <= NORM_RTOL, got["norms"]
     tail = run_distributed(four_rank_job, 4, ckpt)
     _check_parity(tail, RUNS[4], oracles, 4)
+    got = tail[0]["zero_init"]
+    assert got["partitioned"] == len(got["weights"]), "zero.Init did not partition every param"
+    assert_close_to(got, oracles[MAX_NORM], "4 ranks, zero.Init")
+    assert _norm_error(got, oracles[MAX_NORM]) <= NORM_RTOL, got["norms"]
     for r in tail:
         assert "saved on 2 data-parallel ranks and this job has 4" in r["refused"], r["refused"]
         assert r["changed"] == [], r["changed"]
