@@ -41,6 +41,10 @@ def accumulation_job(rank: int, world: int) -> dict:
         out[f"accum_{zero}"] = train_dmuon(rank, world, RunOptions(steps=STEPS, reshard_after_forward=raf, accum=ACCUM))
         out[f"accum_nofsdp_{zero}"] = train_dmuon(
             rank, world, RunOptions(steps=3, reshard_after_forward=raf, accum=ACCUM, fsdp=False))
+    # the other 2-rank checks of this file share the launch
+    out["stash_hook"] = stash_hook_job(rank, world)
+    out.update({f"skipped_{fsdp}": skipped_layer_job(rank, world, fsdp) for fsdp in (True, False)})
+    out["grad_after_backward"] = grad_after_backward_job(rank, world)
     return out
 
 
@@ -106,8 +110,8 @@ def stash_hook_job(rank: int, world: int) -> dict:
     return dict(seen=seen, owned=len(dps))
 
 
-def test_stash_hook_lives_only_while_a_reduced_grad_can_be_accumulated_into():
-    for res in run_distributed(stash_hook_job, 2):
+def test_stash_hook_lives_only_while_a_reduced_grad_can_be_accumulated_into(runs):
+    for res in (r["stash_hook"] for r in runs):
         n = res["owned"]
         assert n > 0
         assert res["seen"] == [0, n, n, 0, n, n]
@@ -216,11 +220,11 @@ def skipped_layer_job(rank: int, world: int, fsdp: bool) -> dict:
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "no_fsdp"])
-def test_matrix_unused_in_the_last_micro_batch_is_averaged_once(fsdp):
+def test_matrix_unused_in_the_last_micro_batch_is_averaged_once(runs, fsdp):
     """Layers 1 and 3 run only in the first micro-batch (inside no_sync): their dedicated gradients must
     still be averaged over the ranks, like the FSDP2 params around them (this used to leave each owner
     with its local part only: 2e-2 off the oracle after 3 steps)."""
-    results = run_distributed(skipped_layer_job, 2, fsdp)
+    results = [r[f"skipped_{fsdp}"] for r in runs]
     oracle = _skipped_layer_oracle(2)
     skipped = [k for k in oracle["weights"] if k.startswith(("layers.1.", "layers.3.")) and "proj" in k]
     assert skipped, "the scenario must have dedicated matrices that skip the last micro-batch"
@@ -260,10 +264,10 @@ def _half_batch_average(world: int) -> dict:
     return {n: g / world for n, g in total.items()}
 
 
-def test_owner_grad_holds_the_average_when_backward_returns():
+def test_owner_grad_holds_the_average_when_backward_returns(runs):
     """As under FSDP2 and DDP: no wait_all_reduces or step() needed before reading .grad (it used to be None
     on the owner until then)."""
-    results = run_distributed(grad_after_backward_job, 2)
+    results = [r["grad_after_backward"] for r in runs]
     want = _half_batch_average(2)
     seen = 0
     for rank, grads in enumerate(results):

@@ -78,10 +78,27 @@ def oracle() -> dict:
     return _oracle()
 
 
+#: the 2-rank clipped trainings of ``two_ranks``: (layout, via)
+TWO_RANK_CLIPS = (("fsdp", "dmuon"), ("plain", "dmuon"), ("fsdp", "torch"))
+
+
+def two_rank_jobs(rank: int, world: int) -> dict:
+    """Every 2-rank run of this file, in one launch: the clipped trainings, then the poisoned gradients."""
+    out = {(layout, via): clip_job(rank, world, layout, via) for layout, via in TWO_RANK_CLIPS}
+    out.update({bad: nonfinite_job(rank, world, bad) for bad in ("nan", "inf")})
+    out["nan_weights"] = nan_weights_job(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(two_rank_jobs, 2)
+
+
 @pytest.mark.parametrize("world, layout, via", [(2, "fsdp", "dmuon"), (2, "plain", "dmuon"), (4, "hsdp", "dmuon"),
                                                (2, "fsdp", "torch")])
-def test_norm_equals_single_process_norm_on_every_rank(oracle, world, layout, via):
-    results = run_distributed(clip_job, world, layout, via)
+def test_norm_equals_single_process_norm_on_every_rank(oracle, two_ranks, world, layout, via):
+    results = [r[layout, via] for r in two_ranks] if world == 2 else run_distributed(clip_job, world, layout, via)
     assert oracle["norms"][0] > MAX_NORM, "the test must actually clip"
     for rank, r in enumerate(results):
         assert r["norms"] == results[0]["norms"], f"rank {rank} sees another norm"
@@ -137,14 +154,14 @@ def nonfinite_job(rank: int, world: int, bad: str) -> dict:
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank(bad):
+def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank(two_ranks, bad):
     """torch.nn.utils.clip_grad_norm_ returns NaN (inf) for such a gradient, for every norm type; gloo's MAX
     alone would drop the NaN, so the infinity norm carries it as a flag."""
     def torch_norm(norm_type: float) -> float:
         return torch.nn.utils.get_total_norm([torch.tensor([1.0, 2.0]), torch.tensor([float(bad)])],
                                              norm_type=norm_type).item()
 
-    results = run_distributed(nonfinite_job, 2, bad)
+    results = [r[bad] for r in two_ranks]
     for rank, r in enumerate(results):
         for norm_type in (2.0, float("inf")):
             got, want = r[norm_type], torch_norm(norm_type)
@@ -173,12 +190,12 @@ def nan_weights_job(rank: int, world: int) -> dict:
     return out
 
 
-def test_what_a_nan_gradient_does_to_the_weights():
+def test_what_a_nan_gradient_does_to_the_weights(two_ranks):
     """As documented in README (Gradient clipping): without clipping only the matrix with the NaN gradient
     turns NaN; clipping by the NaN norm turns every trained weight NaN, on every rank (torch's clip does the
     same on one process); error_if_nonfinite=True raises on every rank before anything is scaled, so the
     step can be skipped and nothing turns NaN."""
-    for rank, r in enumerate(run_distributed(nan_weights_job, 2)):
+    for rank, r in enumerate(r["nan_weights"] for r in two_ranks):
         assert r["no_clip"]["nan"] == [r["no_clip"]["poisoned"]], (rank, r["no_clip"])
         assert r["clip"]["nan"] == r["clip"]["all"], (rank, sorted(set(r["clip"]["all"]) - set(r["clip"]["nan"])))
         assert r["error_if_nonfinite"]["nan"] == [], (rank, r["error_if_nonfinite"])

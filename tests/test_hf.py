@@ -1,6 +1,7 @@
 """The HF Transformers recipe with real LlamaForCausalLM and Qwen2ForCausalLM (tiny configs, no
 downloads): dmuon on 2 gloo ranks matches single-process torch.optim.Muon + AdamW for 10 steps, every
-rank ends with identical weights, bf16 models train, and the example script runs under torchrun."""
+rank ends with identical weights, bf16 models train, and the example script runs under torchrun.
+The three trainings run in one launch of 2 ranks (``runs``), so the ranks import transformers once."""
 
 from __future__ import annotations
 
@@ -82,10 +83,25 @@ def hf_job(rank: int, world: int, arch: str, dtype: torch.dtype) -> dict:
             "dedicated": len(dmuon.get_dedicated_params(model))}
 
 
+#: the trainings of ``runs``: name -> (architecture, model dtype)
+RUNS = {"llama": ("llama", torch.float32), "qwen2": ("qwen2", torch.float32), "qwen2_bf16": ("qwen2", torch.bfloat16)}
+
+
+def hf_jobs(rank: int, world: int) -> dict:
+    return {name: hf_job(rank, world, arch, dtype) for name, (arch, dtype) in RUNS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    """Every training of this file, per name its per-rank results."""
+    results = run_distributed(hf_jobs, 2)
+    return {name: [r[name] for r in results] for name in RUNS}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_matches_oracle_and_ranks_agree(arch):
+def test_matches_oracle_and_ranks_agree(runs, arch):
     oracle = _oracle(arch)
-    results = run_distributed(hf_job, 2, arch, torch.float32)
+    results = runs[arch]
     r = results[0]
     assert r["dedicated"] == 2 * 7
     for step, (got, want) in enumerate(zip(r["losses"], oracle["losses"])):
@@ -99,8 +115,8 @@ def test_matches_oracle_and_ranks_agree(arch):
         assert torch.equal(results[1]["weights"][k], r["weights"][k]), k
 
 
-def test_bf16_model_trains():
-    results = run_distributed(hf_job, 2, "qwen2", torch.bfloat16)
+def test_bf16_model_trains(runs):
+    results = runs["qwen2_bf16"]
     r = results[0]
     assert r["losses"][-1] < r["losses"][0] - 0.5, r["losses"]
     assert results[1]["losses"] == r["losses"]

@@ -136,13 +136,17 @@ def train_hf_moe(rank: int, world: int, run: HFMoERun) -> dict:
             "ns_calls": [tuple(g["shape"]) for g in dmuon.diagnostics.ns_backends(opt)]}
 
 
-def hf_moe_job(rank: int, world: int) -> dict:
-    return {name: train_hf_moe(rank, world, run) for name, run in {**RUNS, **WRONG}.items()}
+def hf_moe_job(rank: int, world: int, folder: str) -> dict:
+    """Every run of this file in one launch (the ranks import transformers once); transformers' own sharding
+    (``distributed_config_job``) last, after the trainings."""
+    out = {name: train_hf_moe(rank, world, run) for name, run in {**RUNS, **WRONG}.items()}
+    out["distributed_config"] = distributed_config_job(rank, world, folder)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(hf_moe_job, 2)
+def runs(tmp_path_factory) -> list[dict]:
+    return run_distributed(hf_moe_job, 2, str(tmp_path_factory.mktemp("hf_moe") / "tiny-qwen3-moe"))
 
 
 @pytest.fixture(scope="module")
@@ -253,11 +257,11 @@ def distributed_config_job(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-def test_a_model_transformers_sharded_is_refused_clearly(tmp_path):
+def test_a_model_transformers_sharded_is_refused_clearly(runs):
     """``from_pretrained(distributed_config=...)`` runs ``fully_shard`` itself (each decoder layer, the root):
     too late for ``dedicate_params``, which says so on every rank and changes nothing. The recipe loads without
     it, then ``dedicate_params``, then ``fully_shard`` (docs/guides/moe.md)."""
-    results = run_distributed(distributed_config_job, 2, str(tmp_path / "tiny-qwen3-moe"))
+    results = [res["distributed_config"] for res in runs]
     for rank, res in enumerate(results):
         assert {"", "model.layers.0", "model.layers.1"} <= set(res["sharded_by_hf"]), (rank, res["sharded_by_hf"])
         assert res["error"] is not None and "must run before fully_shard" in res["error"], (rank, res["error"])

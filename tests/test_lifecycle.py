@@ -82,11 +82,10 @@ def test_two_forwards_before_one_backward(runs, oracle, zero):
         assert c["reduce"]["elements"] == P, c
 
 
-def test_unused_param_gets_no_update():
+def test_unused_param_gets_no_update(runs):
     # its own oracle: torch.optim.Muon skips a param whose grad is None, so must we
-    res = run_distributed(_unused_job, 2)
     oracle = train_oracle(STEPS, extra_unused=True)
-    r = res[0]
+    r = runs[0]["unused_param"]
     assert_close_to(r, oracle, "unused param")
     name = "layers.1.mlp.unused_proj.weight"
     assert torch.equal(r["weights"][name], oracle["weights"][name])
@@ -94,10 +93,6 @@ def test_unused_param_gets_no_update():
     assert torch.equal(r["weights"][name], before), "a param without gradient was updated"
     for c in r["counts"]:  # only the used params travel back
         assert c["reduce"]["elements"] == r["P"] - before.numel()
-
-
-def _unused_job(rank: int, world: int) -> dict:
-    return train_dmuon(rank, world, SCENARIOS["unused_param"])
 
 
 @pytest.mark.parametrize("zero", ["z3", "z2"])

@@ -48,9 +48,19 @@ RUNS = {
 }
 
 
+def mixed_precision_jobs(rank: int, world: int) -> dict:
+    """The trainings and then the mechanics below, in one launch of ``WORLD`` ranks."""
+    return {"trained": train_job(rank, world, RUNS), "mechanics": mechanics_job(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def trained() -> list[dict]:
-    return run_distributed(train_job, WORLD, RUNS)
+def runs() -> list[dict]:
+    return run_distributed(mixed_precision_jobs, WORLD)
+
+
+@pytest.fixture(scope="module")
+def trained(runs) -> list[dict]:
+    return [r["trained"] for r in runs]
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +312,8 @@ def mechanics_job(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mechanics() -> list[dict]:
-    return run_distributed(mechanics_job, WORLD)
+def mechanics(runs) -> list[dict]:
+    return [r["mechanics"] for r in runs]
 
 
 def test_reduce_dtype_changes_what_is_reduced(mechanics):

@@ -203,9 +203,19 @@ def hand_clipped_oracle() -> dict:
     return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
+def qk_clip_jobs(rank: int, world: int) -> dict:
+    """Every 2-rank run of this file in one launch: the frozen step, the training, then the misuses."""
+    return {"frozen": frozen_job(rank, world), "train": train_job(rank, world), "misuse": misuse_job(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def frozen() -> list[dict]:
-    return run_distributed(frozen_job, 2)
+def runs() -> list[dict]:
+    return run_distributed(qk_clip_jobs, 2)
+
+
+@pytest.fixture(scope="module")
+def frozen(runs) -> list[dict]:
+    return [r["frozen"] for r in runs]
 
 
 def test_clipped_heads_end_at_or_below_tau_and_nothing_else_moves(frozen):
@@ -236,9 +246,9 @@ def test_diagnostics_count_the_clipped_heads(frozen):
     assert frozen[0]["diag"]["clipped"] == {f"layers.{i}.attention": [0] for i in range(QCFG.n_layers)}
 
 
-def test_training_matches_a_hand_clipped_single_process_run():
+def test_training_matches_a_hand_clipped_single_process_run(runs):
     ref = hand_clipped_oracle()
-    results = run_distributed(train_job, 2)
+    results = [r["train"] for r in runs]
     assert_close_to(results[0], ref, "2 ranks, QK-clip every step")
     assert results[0]["clipped"][0] == QCFG.n_layers  # it did clip
     assert results[0]["weights"].keys() == ref["weights"].keys()
@@ -255,8 +265,8 @@ MISUSE = {
 
 
 @pytest.fixture(scope="module")
-def misuse() -> list[dict]:
-    return run_distributed(misuse_job, 2)
+def misuse(runs) -> list[dict]:
+    return [r["misuse"] for r in runs]
 
 
 @pytest.mark.parametrize("case", sorted(MISUSE))

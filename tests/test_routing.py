@@ -247,8 +247,8 @@ def route_misuse_job(rank: int, world: int) -> dict:
                 dedicated=sorted(dmuon.get_dedicated_params(model)))
 
 
-def test_bad_routes_raise_on_every_rank_and_change_nothing():
-    results = run_distributed(route_misuse_job, 2)
+def test_bad_routes_raise_on_every_rank_and_change_nothing(two_rank_checks):
+    results = [r["misuse"] for r in two_rank_checks]
     expected = {
         "scalar_on_owner": "route 'adamw_owner' for the scalar 'layers.0.scale'",
         "owner_with_param_dtype": f"route 'adamw_owner' for {NORM!r} with param_dtype=torch.bfloat16",
@@ -298,8 +298,18 @@ def mixed_dtype_job(rank: int, world: int) -> dict:
             "dtypes": {n: str(p.dtype) for n, p in dmuon.get_dedicated_params(model).items()}, "summary": state}
 
 
-def test_a_boundary_with_two_dtypes_matches_the_oracle():
-    results = run_distributed(mixed_dtype_job, 2)
+def two_rank_checks_job(rank: int, world: int) -> dict:
+    """The two-dtype training, then the bad routes: one launch of 2 ranks."""
+    return {"mixed_dtype": mixed_dtype_job(rank, world), "misuse": route_misuse_job(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks() -> list[dict]:
+    return run_distributed(two_rank_checks_job, 2)
+
+
+def test_a_boundary_with_two_dtypes_matches_the_oracle(two_rank_checks):
+    results = [r["mixed_dtype"] for r in two_rank_checks]
     dtypes = results[0]["dtypes"]
     assert {d for n, d in dtypes.items() if ".mlp." in n} == {"torch.float64"}
     assert {d for n, d in dtypes.items() if ".attention." in n} == {"torch.float32"}

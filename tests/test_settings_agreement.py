@@ -114,9 +114,19 @@ def agreement_job(rank: int, world: int) -> dict:
     return {"errors": out, "unchanged": unchanged, "spelled": spelled, "groups": len(opt.param_groups)}
 
 
+def settings_jobs(rank: int, world: int) -> dict:
+    """The disagreements, then the empty groups (``empty_job``), in one launch of 2 ranks."""
+    return {"agreement": agreement_job(rank, world), "empty": empty_job(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def agreement() -> list[dict]:
-    return run_distributed(agreement_job, 2)
+def runs() -> list[dict]:
+    return run_distributed(settings_jobs, 2)
+
+
+@pytest.fixture(scope="module")
+def agreement(runs) -> list[dict]:
+    return [r["agreement"] for r in runs]
 
 
 #: each case: what every rank's error names (the setting, then each rank's value as shown)
@@ -198,8 +208,8 @@ def empty_job(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def empty() -> list[dict]:
-    return run_distributed(empty_job, 2)
+def empty(runs) -> list[dict]:
+    return [r["empty"] for r in runs]
 
 
 def test_a_group_that_names_nothing_is_refused_with_the_nearest_names(empty):

@@ -2,7 +2,11 @@
 run different layers, and a save / restore into a freshly built model every 30 steps (full state dicts
 through ``torch.save`` / ``torch.load``, and once through ``torch.distributed.checkpoint``). The run must be
 bit-identical with its twin, which trains the same 120 steps without ever restoring. (200 steps with a
-restore every 50 until the suite outgrew its 10-minute budget: the same restores, 30 steps apart.)"""
+restore every 50 until the suite outgrew its 10-minute budget: the same restores, 30 steps apart.)
+
+Both runs are one job and share their first 30 steps: at the first restore the trained pair is saved, a fresh
+pair loads the checkpoint and goes on as the restored run, and the saved pair then goes on as the twin (so the
+save must not disturb the model it was taken from either)."""
 
 from __future__ import annotations
 
@@ -84,23 +88,42 @@ def _restore(model, opt, rank: int, how: str, folder: str):
     return model, opt
 
 
-def soak_job(rank: int, world: int, root: str, restore: bool) -> dict:
-    model, opt = _build(seed=0)
+def _train(model, opt, rank: int, data, start: int, stop: int, restore: bool, root: str) -> tuple[list[float], object]:
+    """Steps ``start`` to ``stop`` (restoring at the ``RESTORE_AT`` steps among them if ``restore``); returns the
+    losses and the model that trained last."""
     losses = []
-    for step, (tok, tgt) in enumerate(batches(STEPS)):
-        losses.append(_step(model, opt, rank, tok, tgt, ROUTES[step % len(ROUTES)]))
+    for step in range(start, stop):
+        losses.append(_step(model, opt, rank, *data[step], ROUTES[step % len(ROUTES)]))
         how = RESTORE_AT.get(step + 1) if restore else None
         if how is not None:
             model, opt = _restore(model, opt, rank, how, os.path.join(root, f"step{step + 1}"))
+    return losses, model
+
+
+def _result(losses: list[float], model) -> dict:
     owned_grads = dmuon.get_owned_grads(model)
     return {"losses": losses, "weights": full_weights(model),
             "unused_grad": owned_grads.get("layers.1.mlp.unused_proj.weight", "not owned here")}
 
 
+def soak_job(rank: int, world: int, root: str) -> dict:
+    """The restored run and its twin, sharing their first ``min(RESTORE_AT)`` steps (see the module docstring)."""
+    data = batches(STEPS)
+    first = min(RESTORE_AT)
+    model, opt = _build(seed=0)
+    prefix, _ = _train(model, opt, rank, data, 0, first, False, root)
+    fresh, fresh_opt = _restore(model, opt, rank, RESTORE_AT[first], os.path.join(root, f"step{first}"))
+    losses, fresh = _train(fresh, fresh_opt, rank, data, first, STEPS, True, root)
+    restored = _result(prefix + losses, fresh)
+    del fresh, fresh_opt
+    losses, model = _train(model, opt, rank, data, first, STEPS, False, root)
+    return {"restored": restored, "twin": _result(prefix + losses, model)}
+
+
 def test_soak_with_restores_is_bit_identical_to_its_twin():
     with tempfile.TemporaryDirectory() as root:
-        restored = run_distributed(soak_job, WORLD, root, True)
-        twin = run_distributed(soak_job, WORLD, root, False)
+        runs = run_distributed(soak_job, WORLD, root)
+    restored, twin = [r["restored"] for r in runs], [r["twin"] for r in runs]
     for rank in range(WORLD):
         assert_bitwise(restored[rank], twin[rank], f"rank {rank}: restored every 30 steps vs uninterrupted")
         assert restored[rank]["losses"] == twin[rank]["losses"], f"rank {rank}: losses differ"
@@ -110,4 +133,5 @@ def test_soak_with_restores_is_bit_identical_to_its_twin():
     unused = twin[0]["weights"]["layers.1.mlp.unused_proj.weight"]
     assert torch.isfinite(unused).all()
     losses = twin[0]["losses"]
+    assert len(losses) == STEPS, len(losses)
     assert sum(losses[-20:]) < sum(losses[:20]), "the soak must actually train"
