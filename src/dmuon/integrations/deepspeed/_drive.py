@@ -52,6 +52,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ._load import load_checkpoint
+from ._norms import owned_grads, owned_overflow, owned_squared_norm
 from ._part import STATE_KEY, engine_groups, own_groups, owned_part, part_of, part_problems
 from ._stage0 import Stage0
 from ._zero3 import Zero3
@@ -179,12 +180,7 @@ class Drive:
     def _zero_scaled_global_norm(self, original: Any, norm_type: float = 2) -> torch.Tensor:
         theirs = original(norm_type)
         ctx = self.state.ctx
-        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for dp in self.state.owned():
-            g = dp.reduced_grad()
-            if g is not None and g.numel():
-                acc = acc + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
-        ours = C.all_reduce_sum(ctx, acc)
+        ours = owned_squared_norm(self.state)
         theirs_t = torch.as_tensor(theirs, dtype=torch.float32).to(ctx.device)
         total = torch.sqrt(theirs_t.clamp(min=0) ** 2 + ours)
         # ZeRO marks an inf / NaN norm -1 (its overflow sentinel); keep it, and mark a dedicated one the same way
@@ -198,23 +194,14 @@ class Drive:
         owners; for the clip, the owners' gradients themselves. So its norm, clip factor and inf / NaN verdict
         are the whole model's, as at stage 1 and 2."""
         theirs = original(for_clipping)
-        owned = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
         if for_clipping:
-            return theirs + owned
-        ctx = self.state.ctx
-        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for g in owned:
-            acc = acc + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
+            return theirs + owned_grads(self.state)
         plain, experts = theirs
-        return [*plain, C.all_reduce_sum(ctx, acc).sqrt().reshape(1)], experts
+        return [*plain, owned_squared_norm(self.state).sqrt().reshape(1)], experts
 
     def _zero_has_overflow(self, original: Any, partition_gradients: bool = True) -> bool:
         theirs = original(partition_gradients)
-        ctx = self.state.ctx
-        bad = any(not bool(torch.isfinite(g).all()) for dp in self.state.owned()
-                  if (g := dp.reduced_grad()) is not None)
-        ours = C.all_reduce_max(ctx, torch.tensor(1.0 if bad else 0.0, device=ctx.device))
-        return bool(theirs) or bool(ours.item() > 0)
+        return owned_overflow(self.state) or bool(theirs)  # every rank reaches the all-reduce
 
     def _zero_zero_grad(self, original: Any, set_to_none: bool = True) -> None:
         original(set_to_none)

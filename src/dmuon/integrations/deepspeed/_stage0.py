@@ -32,6 +32,7 @@ from ...optim import Muon
 from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
 from ...runtime.param import is_dedicated
+from ._norms import owned_grads, squared_norm
 
 __all__ = ["Stage0"]
 
@@ -89,13 +90,8 @@ class Stage0:
         """Every gradient scaled by the whole model's clip factor; the norm kept for ``get_global_grad_norm``."""
         ctx = self.state.ctx
         plain = [p.grad for p in self._plain() if p.grad is not None]
-        owned = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
-        ours = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for g in owned:
-            ours = ours + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
-        theirs = sum((torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2 for g in plain),
-                     torch.zeros((), dtype=torch.float32, device=ctx.device))
-        total = torch.sqrt(theirs + C.all_reduce_sum(ctx, ours))
+        owned = owned_grads(self.state)
+        total = torch.sqrt(squared_norm(plain, ctx.device) + C.all_reduce_sum(ctx, squared_norm(owned, ctx.device)))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in plain + owned:
             g.mul_(coef.to(g.device))

@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 
 from ...optim import Muon
-from ...runtime import comm as C
 from ...runtime.hooks import DMuonState
+from ._norms import owned_grads, owned_overflow, owned_squared_norm
 
 __all__ = ["Zero3", "hidden"]
 
@@ -162,7 +162,7 @@ class Zero3:
             self.in_step = False
         if zero.overflow:  # ZeRO skipped the step; the engine's zero_grad drops ours too
             return False
-        grads = [g for dp in self.state.owned() if (g := dp.reduced_grad()) is not None]
+        grads = owned_grads(self.state)
         combined = zero.loss_scale
         if zero.clip_grad > 0.0:  # ZeRO-3's unscale_and_clip_grads, on the same norm
             clip = (torch.as_tensor(zero._global_grad_norm) + 1e-6) / zero.clip_grad
@@ -174,23 +174,13 @@ class Zero3:
     def _norm_groups(self, original: Any) -> list[Any]:
         """ZeRO-3's norm of each of its groups, and the dedicated gradients' (each counted once, on its owner)."""
         theirs = list(original())
-        ctx = self.state.ctx
-        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for dp in self.state.owned():
-            g = dp.reduced_grad()
-            if g is not None and g.numel():
-                acc = acc + torch.linalg.vector_norm(g.float(), 2).to(ctx.device) ** 2
-        self.norm = C.all_reduce_sum(ctx, acc).sqrt()
+        self.norm = owned_squared_norm(self.state).sqrt()
         device = next((n.device for n in theirs if isinstance(n, torch.Tensor)), self.norm.device)
         return [*theirs, self.norm.to(device)]
 
     def _has_overflow(self, original: Any, partition_gradients: bool = True) -> bool:
         theirs = original(partition_gradients)
-        ctx = self.state.ctx
-        bad = any(not bool(torch.isfinite(g).all()) for dp in self.state.owned()
-                  if (g := dp.reduced_grad()) is not None)
-        ours = C.all_reduce_max(ctx, torch.tensor(1.0 if bad else 0.0, device=ctx.device))
-        return bool(theirs) or bool(ours.item() > 0)
+        return owned_overflow(self.state) or bool(theirs)  # every rank reaches the all-reduce
 
     def _zero_grad(self, original: Any, set_to_none: bool = True) -> None:
         original(set_to_none)
