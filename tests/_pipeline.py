@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.optim.qk_clip import RECORD_ATTR
 from dmuon.tools.models import TinyLlama, TinyLlamaConfig, projection_predicate
 from tests._dist import rank_threads
-from tests._training import ADAMW_HP, CFG, GLOBAL_BATCH, MUON_HP, batches, build_model, full_weights, muon_kwargs
+from tests._training import ADAMW_HP, CFG, GLOBAL_BATCH, MUON_HP, batches, build_model, full_weights, hand_clip_, \
+    muon_kwargs
 
 #: stage -> the layers it holds (of tests._training.CFG's two)
 LAYERS = {0: (0,), 1: (1,)}
@@ -104,23 +104,6 @@ def make_model(cfg: TinyLlamaConfig = CFG, *, qk_clip: bool = False) -> TinyLlam
 
 def _optimizer(model: nn.Module, qk_clip: bool) -> dmuon.Muon:
     return dmuon.Muon(model, **muon_kwargs(), qk_clip=dmuon.QKClip(tau=TAU, alpha=ALPHA) if qk_clip else None)
-
-
-def hand_clip_(model: TinyLlama, cfg: TinyLlamaConfig) -> None:
-    """QK-clip written out by hand from each layer's reported maxima (the oracle's side)."""
-    per, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    with torch.no_grad():
-        for layer in model.layers:
-            att = layer.attention
-            m = getattr(att, RECORD_ATTR).tolist()
-            setattr(att, RECORD_ATTR, None)
-            for h, s in enumerate(m):
-                if s > TAU:
-                    att.q_proj.weight[h * hd:(h + 1) * hd] *= (TAU / s) ** ALPHA
-            for g in range(cfg.n_kv_heads):
-                top = max(m[g * per:(g + 1) * per])
-                if top > TAU:
-                    att.k_proj.weight[g * hd:(g + 1) * hd] *= (TAU / top) ** (1 - ALPHA)
 
 
 def _schedule(name: str) -> type:
@@ -274,7 +257,7 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
     clipping alone, or under :data:`CFG_V` each rank clipping each of its stage modules alone, so stages 0-1 and
     2-3 apart); ``"clipped"``: the total norm of
     the gradients after clipping, each step. ``cfg``: :data:`CFG_V` for the schedules with several stages per
-    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (:func:`hand_clip_`).
+    rank. ``qk_clip``: the boosted model (:func:`make_model`), clipped by hand after every step (``tests._training.hand_clip_``).
     ``drop_weight_pass``: the wrong variant of the zero-bubble schedules, a runtime that never sees the gradients
     their weight pass assigns: the projections of every layer but the first (the first stage's weight pass is a
     full backward, whose hooks run) keep no gradient and do not move."""
@@ -308,7 +291,7 @@ def oracle(steps: int, *, max_norm: float | None = None, per_stage_clip: bool = 
         opt_m.step()
         opt_a.step()
         if qk_clip:
-            hand_clip_(model, cfg)
+            hand_clip_(model, cfg, tau=TAU, alpha=ALPHA)
         losses.append(loss.item())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "norms": norms, "clipped": clipped, "weights": weights,

@@ -324,3 +324,24 @@ def _checkpointed(fwd, checkpoint):
         return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def hand_clip_(model: TinyLlama, cfg: TinyLlamaConfig, *, tau: float, alpha: float) -> None:
+    """QK-clip written out by hand from each layer's reported maxima (the oracle's side of the QK-clip tests):
+    every query head above ``tau`` scaled by ``(tau / max) ** alpha``, every key head by ``(tau / top) **
+    (1 - alpha)`` of its group's largest query maximum. Clears the reports."""
+    from dmuon.optim.qk_clip import RECORD_ATTR
+
+    per, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    with torch.no_grad():
+        for layer in model.layers:
+            att = layer.attention
+            m = getattr(att, RECORD_ATTR).tolist()
+            setattr(att, RECORD_ATTR, None)
+            for h, s in enumerate(m):
+                if s > tau:
+                    att.q_proj.weight[h * hd:(h + 1) * hd] *= (tau / s) ** alpha
+            for g in range(cfg.n_kv_heads):
+                top = max(m[g * per:(g + 1) * per])
+                if top > tau:
+                    att.k_proj.weight[g * hd:(g + 1) * hd] *= (tau / top) ** (1 - alpha)

@@ -29,7 +29,7 @@ from dmuon.tools.models import TinyLlama
 from tests._asserts import assert_close_to
 from tests._dist import DEVICE_TYPE, device, rank_threads, run_distributed
 from tests._training import ADAMW_HP, CFG, GLOBAL_BATCH, KJ, MUON_HP, batches, full_weights, muon_kwargs, \
-    projection_predicate
+    hand_clip_, projection_predicate
 
 RUNS_ON_CUDA = True  # DMUON_TEST_DEVICE=cuda runs these jobs on NCCL (tests/_dist.py)
 QCFG = replace(CFG, report_max_logits=True)
@@ -187,18 +187,7 @@ def hand_clipped_oracle() -> dict:
         loss.backward()
         opt_m.step()
         opt_a.step()
-        with torch.no_grad():
-            for layer in model.layers:
-                att = layer.attention
-                m = getattr(att, RECORD_ATTR).tolist()
-                setattr(att, RECORD_ATTR, None)
-                for h, s in enumerate(m):
-                    if s > TAU:
-                        att.q_proj.weight[h * HD:(h + 1) * HD] *= (TAU / s) ** ALPHA
-                for g in range(QCFG.n_kv_heads):
-                    top = max(m[g * PER:(g + 1) * PER])
-                    if top > TAU:
-                        att.k_proj.weight[g * HD:(g + 1) * HD] *= (TAU / top) ** (1 - ALPHA)
+        hand_clip_(model, QCFG, tau=TAU, alpha=ALPHA)
         losses.append(loss.item())
     return {"losses": losses, "weights": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
